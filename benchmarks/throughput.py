@@ -1,0 +1,99 @@
+"""Training and sampling throughput of a config, measured side by side in one process.
+
+  python benchmarks/throughput.py [--config=sft_sudoku] [--steps=5] [--batch_size=64]
+
+Prints training tokens/s (and the ratio of the tiled MoE to jax.lax.ragged_dot on this machine)
+and sampler tokens/s in diffusion mode against AR mode on the same weights. Absolute numbers
+depend on the machine; the ratios are what to compare. Trained weights make the sampler stop
+earlier (higher TPF); pass --workdir to time a trained run instead of random weights.
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from diffgemma import cli, data, runs, sampler, sudoku, trainer  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Optional trained run to sample from.")
+_STEPS = flags.DEFINE_integer("steps", 5, "Timed training steps per variant.")
+_BATCH = flags.DEFINE_integer("batch_size", None, "Override the batch size.")
+
+
+def time_training(config, steps: int) -> float:
+  """Seconds per training step after one compile step."""
+  model_cfg, loss_cfg = trainer.model_config(config), trainer.loss_config(config)
+  tx, schedule = trainer.make_optimizer(config)
+  state = trainer.init_state(config, model_cfg, tx)
+  step_fn = trainer.make_train_step(model_cfg, loss_cfg, tx, schedule)
+  batches = data.train_batches(config.data, config.batch_size, steps + 1)
+  batch_list = [next(batches) for _ in range(steps + 1)]
+  state, metrics = step_fn(state, batch_list[0])
+  jax.block_until_ready(metrics)
+  start = time.perf_counter()
+  for batch in batch_list[1:]:
+    state, metrics = step_fn(state, batch)
+  jax.block_until_ready(metrics)
+  return (time.perf_counter() - start) / steps
+
+
+def time_sampling(params, model_cfg, sampler_cfg, puzzles, prompt_format):
+  generate_fn = sampler.make_generate_fn(model_cfg, sampler_cfg)
+  arrays = data.eval_arrays(puzzles, prompt_format)
+  rng = jax.random.PRNGKey(0)
+  jax.block_until_ready(generate_fn(params, arrays["prompt"], arrays["valid"], rng))
+  start = time.perf_counter()
+  out = jax.device_get(generate_fn(params, arrays["prompt"], arrays["valid"],
+                                   jax.random.PRNGKey(1)))
+  seconds = time.perf_counter() - start
+  return float(np.sum(out["num_tokens"])) / seconds, float(np.mean(out["tokens_per_forward"]))
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  if _BATCH.value:
+    config.batch_size = _BATCH.value
+  tokens_per_step = config.batch_size * (data.PROMPT_LEN + data.CANVAS_LEN)
+  print(f"config: batch {config.batch_size}, {tokens_per_step} tokens/step, "
+        f"moe_impl={config.model.moe_impl}")
+
+  seconds = {}
+  for impl in ("tiled", "ragged_dot"):
+    variant = config.copy_and_resolve_references()
+    variant.model.moe_impl = impl
+    seconds[impl] = time_training(variant, _STEPS.value)
+    print(f"train moe_impl={impl:10s}: {seconds[impl]:.3f} s/step, "
+          f"{tokens_per_step / seconds[impl]:,.0f} tokens/s")
+  print(f"train ratio tiled/ragged_dot speed: {seconds['ragged_dot'] / seconds['tiled']:.2f}x")
+
+  if _WORKDIR.value:
+    run = runs.load_run(_WORKDIR.value)
+    params, model_cfg, sampler_cfg = run.params, run.model_cfg, run.sampler_cfg
+  else:
+    model_cfg, sampler_cfg = trainer.model_config(config), trainer.sampler_config(config)
+    tx, _ = trainer.make_optimizer(config)
+    params = trainer.init_state(config, model_cfg, tx)["params"]
+  puzzles, _ = sudoku.generate_puzzles(7, config.eval.batch_size, config.eval.min_givens,
+                                       config.eval.max_givens)
+  prompt_format = config.data.prompt_format
+  diffusion_tps, tpf = time_sampling(params, model_cfg, sampler_cfg, puzzles, prompt_format)
+  ar_tps, _ = time_sampling(params, model_cfg, sampler_cfg.replace(mode="ar"), puzzles,
+                            prompt_format)
+  print(f"sample diffusion: {diffusion_tps:,.0f} tokens/s (TPF {tpf:.2f}, batch {len(puzzles)})")
+  print(f"sample AR       : {ar_tps:,.0f} tokens/s")
+  print(f"sample ratio diffusion/AR: {diffusion_tps / ar_tps:.2f}x")
+
+
+if __name__ == "__main__":
+  sys.argv = cli.resolve_config_argv(
+      sys.argv if any(a.startswith("--config=") for a in sys.argv)
+      else sys.argv + ["--config=sft_sudoku"])
+  app.run(main)

@@ -1,0 +1,50 @@
+"""SFT of a small DiffusionGemma on generated Sudoku: the CPU default.
+
+python train.py --config=sft_sudoku --workdir=/tmp/sudoku [--config.optimizer.lr=3e-3 ...]
+"""
+
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.num_train_steps = 3000
+  c.batch_size = 64
+  c.max_train_minutes = 0.0  # > 0: stop (and checkpoint) after this much wall-clock time
+  c.log_every = 20
+  c.checkpoint_every = 250
+  c.keep_checkpoints = 2
+
+  # Model: DiffusionGemma architecture at Sudoku size (fields of diffgemma.config.ModelConfig).
+  c.model = ml_collections.ConfigDict(dict(
+      vocab_size=832, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+      num_kv_heads=4, head_dim=32, global_head_dim=32, num_global_kv_heads=2,
+      sliding_window=1024, num_experts=8, top_k_experts=2, moe_intermediate_size=128,
+      canvas_length=81, param_dtype="float32", compute_dtype="float32",
+      moe_impl="tiled", moe_tile_size=128))
+
+  # Objective (diffgemma.losses.LossConfig; prompt_len comes from the task).
+  c.loss = ml_collections.ConfigDict(dict(
+      encoder_weight=0.0, decoder_weight=1.0, encoder_loss_on_prompt=False,
+      noise_schedule="linear", t_eps=1e-3, self_conditioning_prob=0.5,
+      decoder_weighting="flat"))
+
+  c.optimizer = ml_collections.ConfigDict(dict(
+      lr=2e-3, warmup_steps=100, schedule="cosine", end_lr_fraction=0.05, weight_decay=0.01,
+      b1=0.9, b2=0.99, grad_clip=1.0))
+
+  # Training data: freshly generated puzzles, givens range moving from easy to the target mix.
+  c.data = ml_collections.ConfigDict(dict(
+      seed=1, start_min_givens=40, start_max_givens=50, min_givens=28, max_givens=46,
+      curriculum_steps=1000, num_threads=1, prefetch=4, prompt_format="cell_tokens"))
+
+  # Sampler (report Table 2 defaults; diffgemma.sampler.SamplerConfig).
+  c.sampler = ml_collections.ConfigDict(dict(
+      max_denoising_steps=48, entropy_bound=0.1, t_max=0.8, t_min=0.4,
+      confidence_threshold=0.005, stability_threshold=1, max_new_tokens=81, mode="diffusion"))
+
+  # Periodic evaluation on held-out generated puzzles (seed differs from training data).
+  c.eval = ml_collections.ConfigDict(dict(
+      every_steps=500, num_puzzles=64, min_givens=38, max_givens=46, seed=12345, batch_size=64))
+  return c

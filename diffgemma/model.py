@@ -1,0 +1,399 @@
+"""The DiffusionGemma network as pure functions over a parameter pytree.
+
+One set of weights, two entry points:
+  * `encode`: causal (sliding-window causal on sliding layers) over new tokens; writes their K/V
+    into a static-shape cache and returns hidden states.
+  * `decode`: a canvas of C tokens attends bidirectionally to itself and to the valid cached
+    prefix; it reads the cache and never writes it. Only the decoder has the self-conditioning
+    block.
+`lm_head` turns hidden states into float32 soft-capped logits with the tied embedding.
+
+Parameter layout (linear weights are [in, out]):
+  embedding [V, D], final_norm [D],
+  self_conditioning: pre_norm [D], gate [D, F], up [D, F], down [F, D]
+  layers[i]: input_norm, post_attn_norm, pre_ffw_norm, post_ffw_norm, post_ffw_norm_1,
+             pre_ffw_norm_2, post_ffw_norm_2 [D]; layer_scalar [];
+             attn: q [D, H, hd], k [D, K, hd], v [D, K, hd] (sliding layers only; full layers
+                   take values from k), o [H, hd, D], q_norm [hd], k_norm [hd];
+             mlp: gate [D, F], up [D, F], down [F, D];
+             router: proj [D, E], scale [D], per_expert_scale [E];
+             experts: gate_up [E, D, 2I], down [E, I, D].
+Shape suffixes: B batch, T new tokens, S cache slots, C canvas, D hidden, H heads, K kv heads,
+V vocab, E experts, N tokens (flattened), M token-expert assignments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffgemma.config import FULL, SLIDING, ModelConfig
+
+Params = dict[str, Any]
+Cache = dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x, weight, eps: float):
+  """RMSNorm computed in float32; multiplies by `weight` (not 1 + weight); None = no scale."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if weight is not None:
+    normed = normed * weight.astype(jnp.float32)
+  return normed.astype(x.dtype)
+
+
+def gelu_tanh(x):
+  return jax.nn.gelu(x, approximate=True)
+
+
+def gated_mlp(x, gate, up, down):
+  return (gelu_tanh(x @ gate.astype(x.dtype)) * (x @ up.astype(x.dtype))) @ down.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, layer_type: str) -> jnp.ndarray:
+  """Inverse frequencies [hd/2]; full layers use "proportional" RoPE (zero frequency past the
+  rotated fraction, so those dims pass through unrotated)."""
+  if layer_type == SLIDING:
+    dim = cfg.head_dim
+    return 1.0 / (cfg.sliding_rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  dim = cfg.global_head_dim
+  rope_angles = int(cfg.full_rope_partial_factor * dim // 2)
+  rotated = 1.0 / (cfg.full_rope_theta ** (
+      jnp.arange(0, 2 * rope_angles, 2, dtype=jnp.float32) / dim))
+  return jnp.concatenate([rotated, jnp.zeros((dim // 2 - rope_angles,), jnp.float32)])
+
+
+def apply_rope(x_BxTxHxd, positions_BxT, inv_freq):
+  """Rotate-half RoPE, angles computed in float32 as the reference does."""
+  freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # B,T,hd/2
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(emb).astype(x_BxTxHxd.dtype), jnp.sin(emb).astype(x_BxTxHxd.dtype)
+  half = x_BxTxHxd.shape[-1] // 2
+  rotated = jnp.concatenate([-x_BxTxHxd[..., half:], x_BxTxHxd[..., :half]], axis=-1)
+  return x_BxTxHxd * cos + rotated * sin
+
+
+def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_window):
+  """The one attention mask of the model, [B, T, S] bool.
+
+  Key j is visible to query t when it is valid, not after the query's limit, and (on sliding
+  layers) after its window anchor minus the window:
+    kv_valid[j] and kv_pos[j] <= q_limit[t] and kv_pos[j] > q_anchor[t] - window.
+  Encoder (causal): anchor = limit = the query's own position.
+  Decoder (a canvas starting at L): anchor = L, limit = the canvas's last position, so every
+  canvas token sees the whole canvas and the last window-1 prefix tokens (the reference keeps
+  exactly that many in its sliding-window cache).
+  """
+  visible = kv_valid_BxS[:, None, :] & (kv_pos_BxS[:, None, :] <= q_limit_BxT[:, :, None])
+  if sliding_window is not None:
+    visible &= kv_pos_BxS[:, None, :] > q_anchor_BxT[:, :, None] - sliding_window
+  return visible
+
+
+def attend(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, mask_BxTxS):
+  """Grouped-query softmax attention with scaling 1.0 (q and k are RMS-normalised).
+
+  Heads move ahead of the sequence axes before the matmuls: on CPU this layout runs about twice
+  as fast as contracting in [B, T, H, d] order.
+  """
+  b, t, h, d = q_BxTxHxd.shape
+  kv_heads = k_BxSxKxd.shape[2]
+  q = q_BxTxHxd.reshape(b, t, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
+  k = k_BxSxKxd.transpose(0, 2, 1, 3)
+  v = v_BxSxKxd.transpose(0, 2, 1, 3)
+  scores = jnp.einsum("bkgtd,bksd->bkgts", q, k).astype(jnp.float32)
+  scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def route(x_NxD, router: Params, cfg: ModelConfig):
+  """Gemma 4 router: top-k of a float32 softmax, renormalised, times the per-expert scale."""
+  h = rms_norm(x_NxD, None, cfg.rms_norm_eps)
+  h = h * router["scale"].astype(h.dtype) * jnp.asarray(cfg.hidden_size ** -0.5, h.dtype)
+  probs = jax.nn.softmax((h @ router["proj"].astype(h.dtype)).astype(jnp.float32), axis=-1)
+  weights, index = jax.lax.top_k(probs, cfg.top_k_experts)
+  weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  weights = weights * router["per_expert_scale"][index].astype(jnp.float32)
+  return weights, index
+
+
+def moe(x_NxD, weights_Nxk, index_Nxk, experts: Params, cfg: ModelConfig):
+  """Mixture of experts over token-expert assignments sorted by expert (no dense E x N compute).
+
+  `cfg.moe_impl` picks the grouped matmul: "ragged_dot" (jax.lax.ragged_dot; the accelerator
+  path) or "tiled" (each expert's rows padded to whole tiles, one batched matmul over tiles with
+  the tile's expert weights; exact, and much faster than ragged_dot on CPU).
+  """
+  n, d = x_NxD.shape
+  top_k = index_Nxk.shape[1]
+  num_experts = experts["gate_up"].shape[0]
+  flat_expert_M = index_Nxk.reshape(-1)
+  order_M = jnp.argsort(flat_expert_M, stable=True)
+  token_M = order_M // top_k
+  group_sizes_E = jnp.bincount(flat_expert_M, length=num_experts).astype(jnp.int32)
+  x_MxD = x_NxD[token_M]
+  gate_up_w = experts["gate_up"].astype(x_NxD.dtype)
+  down_w = experts["down"].astype(x_NxD.dtype)
+  if cfg.moe_impl == "ragged_dot":
+    gate, up = jnp.split(jax.lax.ragged_dot(x_MxD, gate_up_w, group_sizes_E), 2, axis=-1)
+    y_MxD = jax.lax.ragged_dot(gelu_tanh(gate) * up, down_w, group_sizes_E)
+  else:
+    y_MxD = _tiled_expert_mlp(x_MxD, group_sizes_E, gate_up_w, down_w, cfg.moe_tile_size)
+  # Combine weights are applied per assignment, then scattered back: nothing of size E x N.
+  y_MxD = y_MxD * weights_Nxk.reshape(-1)[order_M][:, None].astype(y_MxD.dtype)
+  return jnp.zeros((n, d), y_MxD.dtype).at[token_M].add(y_MxD)
+
+
+def _tiled_expert_mlp(x_MxD, group_sizes_E, gate_up_ExDx2I, down_ExIxD, tile: int):
+  """Expert MLP on rows sorted by expert: each group is padded to a multiple of `tile` rows, so
+  every tile belongs to one expert; the padded layout has a static bound of
+  (ceil(M / tile) + E) tiles."""
+  m, d = x_MxD.shape
+  num_experts = group_sizes_E.shape[0]
+  tile = min(tile, max(m, 1))
+  num_tiles = -(-m // tile) + num_experts
+  padded_sizes_E = -(-group_sizes_E // tile) * tile
+  padded_end_E = jnp.cumsum(padded_sizes_E)
+  group_start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+  expert_M = jnp.repeat(jnp.arange(num_experts), group_sizes_E, total_repeat_length=m)
+  row_M = (padded_end_E - padded_sizes_E)[expert_M] + jnp.arange(m) - group_start_E[expert_M]
+  tile_expert_T = jnp.minimum(
+      jnp.searchsorted(padded_end_E, jnp.arange(num_tiles) * tile, side="right"), num_experts - 1)
+  x_TxtxD = jnp.zeros((num_tiles * tile, d), x_MxD.dtype).at[row_M].set(x_MxD).reshape(
+      num_tiles, tile, d)
+  gate, up = jnp.split(jnp.einsum("ntd,ndf->ntf", x_TxtxD, gate_up_ExDx2I[tile_expert_T]), 2, -1)
+  y = jnp.einsum("ntf,nfd->ntd", gelu_tanh(gate) * up, down_ExIxD[tile_expert_T])
+  return y.reshape(num_tiles * tile, d)[row_M]
+
+
+# ----------------------------------------------------------------------------- one layer
+
+
+def project_qkv(x_BxTxD, attn: Params, layer_type: str, positions_BxT, cfg: ModelConfig):
+  """Queries, keys (normed, rotated) and values (v_norm; from k on full layers)."""
+  dt = x_BxTxD.dtype
+  q = jnp.einsum("btd,dhk->bthk", x_BxTxD, attn["q"].astype(dt))
+  k_raw = jnp.einsum("btd,dhk->bthk", x_BxTxD, attn["k"].astype(dt))
+  v_raw = jnp.einsum("btd,dhk->bthk", x_BxTxD, attn["v"].astype(dt)) if "v" in attn else k_raw
+  inv_freq = rope_inv_freq(cfg, layer_type)
+  q = apply_rope(rms_norm(q, attn["q_norm"], cfg.rms_norm_eps), positions_BxT, inv_freq)
+  k = apply_rope(rms_norm(k_raw, attn["k_norm"], cfg.rms_norm_eps), positions_BxT, inv_freq)
+  v = rms_norm(v_raw, None, cfg.rms_norm_eps)
+  return q, k, v
+
+
+def feed_forward(h_BxTxD, layer: Params, cfg: ModelConfig):
+  """Dense MLP and MoE in parallel from the residual stream h (the router reads h itself)."""
+  dense = gated_mlp(rms_norm(h_BxTxD, layer["pre_ffw_norm"], cfg.rms_norm_eps),
+                    layer["mlp"]["gate"], layer["mlp"]["up"], layer["mlp"]["down"])
+  dense = rms_norm(dense, layer["post_ffw_norm_1"], cfg.rms_norm_eps)
+  h_NxD = h_BxTxD.reshape(-1, h_BxTxD.shape[-1])
+  weights, index = route(h_NxD, layer["router"], cfg)
+  expert_in = rms_norm(h_NxD, layer["pre_ffw_norm_2"], cfg.rms_norm_eps)
+  sparse = moe(expert_in, weights, index, layer["experts"], cfg).reshape(h_BxTxD.shape)
+  sparse = rms_norm(sparse, layer["post_ffw_norm_2"], cfg.rms_norm_eps)
+  return rms_norm(dense + sparse, layer["post_ffw_norm"], cfg.rms_norm_eps)
+
+
+def transformer_layer(h_BxTxD, layer: Params, layer_type: str, cfg: ModelConfig, attention_fn):
+  """Pre/post-normed attention, then the parallel dense+MoE block, then the layer scalar.
+
+  `attention_fn(normed_x) -> (attn_out_BxTxHxd, extra)` hides encoder/decoder differences.
+  """
+  normed = rms_norm(h_BxTxD, layer["input_norm"], cfg.rms_norm_eps)
+  attn_out, extra = attention_fn(normed)
+  attn_out = jnp.einsum("bthk,hkd->btd", attn_out, layer["attn"]["o"].astype(h_BxTxD.dtype))
+  h = h_BxTxD + rms_norm(attn_out, layer["post_attn_norm"], cfg.rms_norm_eps)
+  h = h + feed_forward(h, layer, cfg)
+  # layer_scalar is a fixed buffer in the reference, never trained.
+  return h * jax.lax.stop_gradient(layer["layer_scalar"]).astype(h.dtype), extra
+
+
+# ----------------------------------------------------------------------------- embeddings & head
+
+
+def embed(params: Params, tokens_BxT, cfg: ModelConfig):
+  """Scaled embedding lookup; the reference rounds sqrt(D) to the weight dtype."""
+  table = params["embedding"]
+  scale = jnp.asarray(cfg.hidden_size ** 0.5, table.dtype)
+  return (table[tokens_BxT] * scale).astype(cfg.compute_dtype)
+
+
+def lm_head(params: Params, h_BxTxD, cfg: ModelConfig):
+  """Tied-embedding logits in float32, soft-capped: cap * tanh(logits / cap)."""
+  logits = (h_BxTxD @ params["embedding"].astype(h_BxTxD.dtype).T).astype(jnp.float32)
+  cap = cfg.final_logit_softcap
+  return cap * jnp.tanh(logits / cap)
+
+
+def self_conditioning_embedding(params: Params, logits_BxCxV, cfg: ModelConfig):
+  """softmax(previous logits) @ embedding * sqrt(D): the decoder's soft input."""
+  table = params["embedding"]
+  probs = jax.nn.softmax(logits_BxCxV.astype(jnp.float32), axis=-1).astype(table.dtype)
+  soft = probs @ table
+  return (soft * jnp.asarray(cfg.hidden_size ** 0.5, table.dtype)).astype(cfg.compute_dtype)
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
+  """An empty static-shape KV cache of `max_len` slots; slot index = token position."""
+  dt = jnp.dtype(cfg.compute_dtype)
+  layers = []
+  for i in range(cfg.num_layers):
+    shape = (batch, max_len, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
+    layers.append({"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)})
+  return {"layers": layers, "valid": jnp.zeros((batch, max_len), bool),
+          "end": jnp.zeros((), jnp.int32)}
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT=None):
+  """Causal pass over T new tokens written at cache slots [end, end+T).
+
+  Args:
+    tokens_BxT: int tokens; `valid_BxT` marks real tokens (False = padding, never attended).
+    cache: from `init_cache` or a previous `encode`; positions are cache slot indices.
+  Returns:
+    (hidden_BxTxD after the final norm, updated cache with end += T).
+  """
+  b, t = tokens_BxT.shape
+  start = cache["end"]
+  if valid_BxT is None:
+    valid_BxT = jnp.ones((b, t), bool)
+  positions_BxT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+  kv_valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (0, start))
+  num_slots = kv_valid_BxS.shape[1]
+  kv_pos_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
+  masks = {
+      lt: attention_mask(positions_BxT, positions_BxT, kv_pos_BxS, kv_valid_BxS,
+                         cfg.sliding_window if lt == SLIDING else None)
+      for lt in set(cfg.layer_types)}
+
+  h = embed(params, tokens_BxT, cfg)
+  new_layers = []
+  for i, (layer, layer_type) in enumerate(zip(params["layers"], cfg.layer_types)):
+    layer_cache = cache["layers"][i]
+
+    def attention_fn(normed, layer=layer, layer_type=layer_type, layer_cache=layer_cache):
+      q, k, v = project_qkv(normed, layer["attn"], layer_type, positions_BxT, cfg)
+      k_all = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype),
+                                           (0, start, 0, 0))
+      v_all = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype),
+                                           (0, start, 0, 0))
+      out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), masks[layer_type])
+      return out, {"k": k_all, "v": v_all}
+
+    h, new_cache = transformer_layer(h, layer, layer_type, cfg, attention_fn)
+    new_layers.append(new_cache)
+  h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+  return h, {"layers": new_layers, "valid": kv_valid_BxS, "end": start + t}
+
+
+def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_len_B=None,
+           self_cond_logits_BxCxV=None, self_cond_mask_B=None):
+  """Bidirectional denoiser over a canvas; returns float32 logits [B, C, V].
+
+  The canvas occupies positions prefix_len .. prefix_len + C - 1 and sees cached slots
+  j < prefix_len that are valid (sliding layers: only the last window-1 of them). Self-
+  conditioning logits are optional; examples with `self_cond_mask_B` False get zeros.
+  `prefix_len_B` defaults to the cache end (sampling); training passes a per-example value.
+  """
+  b, c = canvas_BxC.shape
+  if prefix_len_B is None:
+    prefix_len_B = jnp.broadcast_to(cache["end"], (b,))
+  prefix_len_B = prefix_len_B.astype(jnp.int32)
+  positions_BxC = prefix_len_B[:, None] + jnp.arange(c, dtype=jnp.int32)
+  num_slots = cache["valid"].shape[1]
+  slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
+  kv_pos = jnp.concatenate([slot_BxS, positions_BxC], axis=1)
+  kv_valid = jnp.concatenate(
+      [cache["valid"] & (slot_BxS < prefix_len_B[:, None]), jnp.ones((b, c), bool)], axis=1)
+  anchor_BxC = jnp.broadcast_to(prefix_len_B[:, None], (b, c))
+  limit_BxC = anchor_BxC + c - 1
+  masks = {
+      lt: attention_mask(anchor_BxC, limit_BxC, kv_pos, kv_valid,
+                         cfg.sliding_window if lt == SLIDING else None)
+      for lt in set(cfg.layer_types)}
+
+  x = embed(params, canvas_BxC, cfg)
+  sc = params["self_conditioning"]
+  if self_cond_logits_BxCxV is None:
+    soft = jnp.zeros_like(x)
+  else:
+    soft = self_conditioning_embedding(params, self_cond_logits_BxCxV, cfg)
+    if self_cond_mask_B is not None:
+      soft = soft * self_cond_mask_B.astype(soft.dtype)[:, None, None]
+  signal = gated_mlp(rms_norm(soft, sc["pre_norm"], cfg.rms_norm_eps), sc["gate"], sc["up"],
+                     sc["down"])
+  h = rms_norm(x + signal, None, cfg.rms_norm_eps)
+
+  for i, (layer, layer_type) in enumerate(zip(params["layers"], cfg.layer_types)):
+    layer_cache = cache["layers"][i]
+
+    def attention_fn(normed, layer=layer, layer_type=layer_type, layer_cache=layer_cache):
+      q, k, v = project_qkv(normed, layer["attn"], layer_type, positions_BxC, cfg)
+      k_all = jnp.concatenate([layer_cache["k"].astype(q.dtype), k], axis=1)
+      v_all = jnp.concatenate([layer_cache["v"].astype(q.dtype), v], axis=1)
+      return attend(q, k_all, v_all, masks[layer_type]), None
+
+    h, _ = transformer_layer(h, layer, layer_type, cfg, attention_fn)
+  h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+  return lm_head(params, h, cfg)
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def init_params(cfg: ModelConfig, rng, std: float = 0.02) -> Params:
+  """Random parameters: normal(std) linears and embedding, unit norms and scales."""
+  dt = jnp.dtype(cfg.param_dtype)
+  d, f = cfg.hidden_size, cfg.intermediate_size
+  keys = iter(jax.random.split(rng, 8 + 12 * cfg.num_layers))
+
+  def normal(shape):
+    return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+  def ones(shape):
+    return jnp.ones(shape, dt)
+
+  layers = []
+  for i in range(cfg.num_layers):
+    hd, kv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
+    attn = {"q": normal((d, cfg.num_heads, hd)), "k": normal((d, kv, hd)),
+            "o": normal((cfg.num_heads, hd, d)), "q_norm": ones((hd,)), "k_norm": ones((hd,))}
+    if cfg.layer_types[i] == SLIDING:
+      attn["v"] = normal((d, kv, hd))
+    e, moe_i = cfg.num_experts, cfg.moe_intermediate_size
+    layers.append({
+        "attn": attn,
+        "mlp": {"gate": normal((d, f)), "up": normal((d, f)), "down": normal((f, d))},
+        "router": {"proj": normal((d, e)), "scale": ones((d,)), "per_expert_scale": ones((e,))},
+        "experts": {"gate_up": normal((e, d, 2 * moe_i)), "down": normal((e, moe_i, d))},
+        **{name: ones((d,)) for name in (
+            "input_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm", "post_ffw_norm_1",
+            "pre_ffw_norm_2", "post_ffw_norm_2")},
+        "layer_scalar": jnp.ones((), dt),
+    })
+  return {
+      "embedding": normal((cfg.vocab_size, d)),
+      "final_norm": ones((d,)),
+      "layers": layers,
+      "self_conditioning": {"pre_norm": ones((d,)), "gate": normal((d, f)), "up": normal((d, f)),
+                            "down": normal((f, d))},
+  }
+
+
+def count_params(params: Params) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))

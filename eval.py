@@ -1,0 +1,44 @@
+"""Evaluate the latest checkpoint of a run on a Kaggle-format Sudoku CSV.
+
+  python eval.py --workdir=/tmp/sudoku --data=puzzles.csv [--limit=300]
+
+The last line printed is one JSON object of metrics.
+"""
+
+import json
+import os
+
+from absl import flags
+from tqdm import tqdm
+
+from diffgemma import cli
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (config + checkpoints).")
+_DATA = flags.DEFINE_string("data", None, "CSV with header quizzes,solutions.")
+_LIMIT = flags.DEFINE_integer("limit", None, "Evaluate only the first N puzzles.")
+_BATCH = flags.DEFINE_integer("batch_size", None, "Sampler batch (default: the run's eval batch).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
+
+
+def main(argv):
+  del argv
+  if not _WORKDIR.value or not _DATA.value:
+    raise cli.UserError("--workdir and --data are required")
+  if _LIMIT.value is not None and _LIMIT.value <= 0:
+    raise cli.UserError(f"--limit must be positive, got {_LIMIT.value}")
+  from diffgemma import evaluation, runs, sudoku
+
+  puzzles, solutions = sudoku.load_csv(_DATA.value, _LIMIT.value)
+  run = runs.load_run(_WORKDIR.value)
+  batch = _BATCH.value or run.config.eval.batch_size
+  with tqdm(total=len(puzzles), desc="eval", unit="puzzle") as bar:
+    metrics = evaluation.evaluate_sudoku(
+        run.params, run.model_cfg, run.sampler_cfg, puzzles, solutions, batch,
+        run.config.data.prompt_format, seed=_SEED.value,
+        progress=bar, warmup=True)
+  metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value))
+  print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,85 @@
+"""Test helpers around the transformers reference (DiffusionGemmaForBlockDiffusion)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+from transformers.cache_utils import DynamicCache
+
+SOFTCAP = 30.0
+
+
+def tiny_reference(seed: int, canvas_length: int = 8, **text_overrides):
+  """A random tiny reference model in float32 with every weight perturbed away from its init
+  (norm weights, router scales and layer scalars included), so parity checks see them all."""
+  text = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+              num_global_key_value_heads=1, sliding_window=8, num_experts=4, top_k_experts=2,
+              moe_intermediate_size=24, max_position_embeddings=512)
+  text.update(text_overrides)
+  torch.manual_seed(seed)
+  config = DiffusionGemmaConfig(text_config=text, vision_config=None, canvas_length=canvas_length)
+  config._attn_implementation = "eager"
+  model = DiffusionGemmaForBlockDiffusion(config).eval().float()
+  gen = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith(("norm.weight", ".scale", "per_expert_scale")):
+        p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+      else:
+        p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    # layer_scalar is a buffer, not tied by transformers: encoder and decoder copies are set
+    # equal, as in a real checkpoint where both come from the same trained value.
+    buffers = dict(model.named_buffers())
+    for name, b in buffers.items():
+      if name.endswith("layer_scalar") and name.startswith("model.encoder."):
+        b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+        layer = name.split("layers.")[1]
+        buffers["model.decoder.layers." + layer].copy_(b)
+  return model
+
+
+def state_dict_numpy(model) -> dict[str, np.ndarray]:
+  return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def softcap(logits):
+  return SOFTCAP * torch.tanh(logits.float() / SOFTCAP)
+
+
+class ReferenceSession:
+  """Drives the reference encoder/decoder the way its `generate` does (DynamicCache)."""
+
+  def __init__(self, model, attention_mask_BxP):
+    self.model = model
+    self.cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    self.mask = torch.as_tensor(attention_mask_BxP, dtype=torch.bool)
+    self.length = 0
+
+  @torch.no_grad()
+  def encode(self, tokens_BxT):
+    tokens = torch.as_tensor(np.asarray(tokens_BxT), dtype=torch.long)
+    t = tokens.shape[1]
+    if self.length > 0:
+      self.mask = torch.cat([self.mask, torch.ones(tokens.shape[0], t, dtype=torch.bool)], 1)
+    positions = torch.arange(self.length, self.length + t)[None]
+    out = self.model.model.encoder(input_ids=tokens, attention_mask=self.mask, cache=self.cache,
+                                   position_ids=positions)
+    self.length += t
+    return softcap(self.model.lm_head(out.last_hidden_state)).numpy()
+
+  @torch.no_grad()
+  def decode(self, canvas_BxC, self_cond_logits=None, self_cond_mask=None):
+    canvas = torch.as_tensor(np.asarray(canvas_BxC), dtype=torch.long)
+    c = canvas.shape[1]
+    dec_mask = torch.nn.functional.pad(self.mask, (0, c), value=True)
+    positions = torch.arange(self.length, self.length + c)[None]
+    kwargs = {}
+    if self_cond_logits is not None:
+      kwargs["self_conditioning_logits"] = torch.as_tensor(np.asarray(self_cond_logits))
+    if self_cond_mask is not None:
+      kwargs["self_conditioning_mask"] = torch.as_tensor(np.asarray(self_cond_mask))
+    out = self.model(cache=self.cache, decoder_input_ids=canvas, decoder_attention_mask=dec_mask,
+                     decoder_position_ids=positions, **kwargs)
+    return out.logits.numpy()
