@@ -3,26 +3,33 @@
 python train.py --config=sft_sudoku --workdir=/tmp/sudoku [--config.optimizer.lr=3e-3 ...]
 """
 
+import dataclasses
+
 import ml_collections
+
+from diffgemma.config import ModelConfig
 
 
 def get_config():
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.num_train_steps = 3000
-  c.batch_size = 64
-  c.max_train_minutes = 0.0  # > 0: stop (and checkpoint) after this much wall-clock time
+  c.num_train_steps = 1500
+  c.batch_size = 32
+  c.max_train_minutes = 30.0  # stop (and checkpoint) after this much wall-clock time; 0 = off
   c.log_every = 20
   c.checkpoint_every = 250
   c.keep_checkpoints = 2
 
-  # Model: DiffusionGemma architecture at Sudoku size (fields of diffgemma.config.ModelConfig).
-  c.model = ml_collections.ConfigDict(dict(
+  # Model: DiffusionGemma architecture at Sudoku size; every ModelConfig field is a config key.
+  c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig(
       vocab_size=832, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
       num_kv_heads=4, head_dim=32, global_head_dim=32, num_global_kv_heads=2,
+      # theta 100 spreads the RoPE frequencies over the 162-token Sudoku context; q/k norms
+      # start at head_dim**-0.25 so attention logits start at unit scale (training from scratch).
+      sliding_rope_theta=100.0, qk_norm_init=32 ** -0.25,
       sliding_window=1024, num_experts=8, top_k_experts=2, moe_intermediate_size=128,
       canvas_length=81, param_dtype="float32", compute_dtype="float32",
-      moe_impl="tiled", moe_tile_size=128))
+      moe_impl="tiled", moe_tile_size=128)))
 
   # Objective (diffgemma.losses.LossConfig; prompt_len comes from the task).
   c.loss = ml_collections.ConfigDict(dict(
@@ -31,7 +38,7 @@ def get_config():
       decoder_weighting="flat"))
 
   c.optimizer = ml_collections.ConfigDict(dict(
-      lr=2e-3, warmup_steps=100, schedule="cosine", end_lr_fraction=0.05, weight_decay=0.01,
+      lr=3e-3, warmup_steps=50, schedule="cosine", end_lr_fraction=0.05, weight_decay=0.01,
       b1=0.9, b2=0.99, grad_clip=1.0))
 
   # Training data: freshly generated puzzles, givens range moving from easy to the target mix.
@@ -46,5 +53,5 @@ def get_config():
 
   # Periodic evaluation on held-out generated puzzles (seed differs from training data).
   c.eval = ml_collections.ConfigDict(dict(
-      every_steps=500, num_puzzles=64, min_givens=38, max_givens=46, seed=12345, batch_size=64))
+      every_steps=300, num_puzzles=64, min_givens=38, max_givens=46, seed=12345, batch_size=64))
   return c

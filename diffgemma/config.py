@@ -55,6 +55,10 @@ class ModelConfig:
   eos_token_id: int = 1
   bos_token_id: int = 2
   canvas_length: int = 256
+  initializer_range: float = 0.02  # std of linear and embedding weights at init
+  # Initial q_norm/k_norm scale. With scaling 1.0 and unit-RMS q and k, attention logits start
+  # with std sqrt(head_dim); d**-0.25 here starts them at std 1 (matters only from scratch).
+  qk_norm_init: float = 1.0
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   moe_impl: str = "ragged_dot"  # or "tiled": exact, faster on CPU (see model.moe)

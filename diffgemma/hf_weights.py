@@ -55,6 +55,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
       sliding_window=text["sliding_window"], layer_types=tuple(layer_types or ()),
       num_experts=text["num_experts"], top_k_experts=text["top_k_experts"],
       moe_intermediate_size=text["moe_intermediate_size"], rms_norm_eps=text["rms_norm_eps"],
+      initializer_range=text.get("initializer_range", 0.02),
       final_logit_softcap=text.get("final_logit_softcapping") or 30.0,
       sliding_rope_theta=sliding_rope.get("rope_theta", 10_000.0),
       full_rope_theta=full_rope.get("rope_theta", 1_000_000.0),

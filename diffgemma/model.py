@@ -356,8 +356,10 @@ def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_le
 # ----------------------------------------------------------------------------- init
 
 
-def init_params(cfg: ModelConfig, rng, std: float = 0.02) -> Params:
-  """Random parameters: normal(std) linears and embedding, unit norms and scales."""
+def init_params(cfg: ModelConfig, rng, std: float | None = None) -> Params:
+  """Random parameters: normal(std) linears and embedding (std defaults to
+  cfg.initializer_range), unit norms and scales, q/k norms at cfg.qk_norm_init."""
+  std = cfg.initializer_range if std is None else std
   dt = jnp.dtype(cfg.param_dtype)
   d, f = cfg.hidden_size, cfg.intermediate_size
   keys = iter(jax.random.split(rng, 8 + 12 * cfg.num_layers))
@@ -372,7 +374,8 @@ def init_params(cfg: ModelConfig, rng, std: float = 0.02) -> Params:
   for i in range(cfg.num_layers):
     hd, kv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
     attn = {"q": normal((d, cfg.num_heads, hd)), "k": normal((d, kv, hd)),
-            "o": normal((cfg.num_heads, hd, d)), "q_norm": ones((hd,)), "k_norm": ones((hd,))}
+            "o": normal((cfg.num_heads, hd, d)),
+            "q_norm": cfg.qk_norm_init * ones((hd,)), "k_norm": cfg.qk_norm_init * ones((hd,))}
     if cfg.layer_types[i] == SLIDING:
       attn["v"] = normal((d, kv, hd))
     e, moe_i = cfg.num_experts, cfg.moe_intermediate_size
