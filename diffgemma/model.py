@@ -24,13 +24,14 @@ V vocab, E experts, N tokens (flattened), M token-expert assignments.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma.config import FULL, SLIDING, ModelConfig
+from diffgemma.config import SLIDING, ModelConfig
 
 Params = dict[str, Any]
 Cache = dict[str, Any]
@@ -356,9 +357,11 @@ def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_le
 # ----------------------------------------------------------------------------- init
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2))
 def init_params(cfg: ModelConfig, rng, std: float | None = None) -> Params:
   """Random parameters: normal(std) linears and embedding (std defaults to
-  cfg.initializer_range), unit norms and scales, q/k norms at cfg.qk_norm_init."""
+  cfg.initializer_range), unit norms and scales, q/k norms at cfg.qk_norm_init. Jitted: one
+  compiled program instead of hundreds of op-by-op dispatches."""
   std = cfg.initializer_range if std is None else std
   dt = jnp.dtype(cfg.param_dtype)
   d, f = cfg.hidden_size, cfg.intermediate_size

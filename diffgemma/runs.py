@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-from diffgemma import checkpointing, model, trainer
+from diffgemma import checkpointing, trainer
 
 
 @dataclasses.dataclass

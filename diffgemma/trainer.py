@@ -8,7 +8,6 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from tqdm import tqdm
 

@@ -1,0 +1,60 @@
+"""The command-line contract: bad input ends with a one-line error naming the problem."""
+
+import os
+import subprocess
+import sys
+
+
+from diffgemma import sudoku
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, cwd=ROOT):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                        env=env, timeout=300)
+
+
+def one_line_error(result, *needles):
+  assert result.returncode == 2, result.stderr
+  lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+  assert len(lines) == 1, result.stderr
+  assert lines[0].startswith("error: ")
+  for needle in needles:
+    assert needle in lines[0], lines[0]
+
+
+def test_unknown_config_key(tmp_path):
+  r = run("train.py", "--config=sft_sudoku", f"--workdir={tmp_path}", "--config.optimizer.lrr=1")
+  one_line_error(r, "optimizer.lrr")
+  assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_unknown_config_name(tmp_path):
+  one_line_error(run("train.py", "--config=nope", f"--workdir={tmp_path}"), "nope", "sft_sudoku")
+
+
+def test_inconsistent_config_value(tmp_path):
+  r = run("train.py", "--config=sft_sudoku", f"--workdir={tmp_path}", "--config.model.vocab_size=16")
+  one_line_error(r, "vocab_size")
+
+
+def test_short_puzzle(tmp_path):
+  one_line_error(run("sample.py", f"--workdir={tmp_path}", "--puzzle=" + "1" * 80), "80 characters")
+
+
+def test_missing_checkpoint(tmp_path):
+  csv = tmp_path / "p.csv"
+  puzzles, solutions = sudoku.generate_puzzles(0, 2, 40, 40)
+  sudoku.write_csv(csv, puzzles, solutions)
+  one_line_error(run("eval.py", f"--workdir={tmp_path / 'nothing'}", f"--data={csv}"),
+                 "nothing")
+
+
+def test_malformed_csv_row(tmp_path):
+  puzzles, solutions = sudoku.generate_puzzles(0, 2, 40, 40)
+  csv = tmp_path / "bad.csv"
+  good = "".join(map(str, puzzles[0])) + "," + "".join(map(str, solutions[0]))
+  csv.write_text("quizzes,solutions\n" + good + "\n" + good[:-1] + "\n")
+  one_line_error(run("eval.py", f"--workdir={tmp_path}", f"--data={csv}"), "line 3")
