@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from absl import flags
@@ -46,11 +47,16 @@ def parse_flags_or_fail(argv: list[str]) -> list[str]:
   except flags.Error as e:
     fail(str(e).splitlines()[0])
   except (KeyError, AttributeError) as e:
-    # ml_collections reports an unknown override key as AttributeError(KeyError("'key'")).
-    key = str(e.args[0]).strip("'\"") if e.args else ""
-    overrides = [a.split("=")[0][2:] for a in argv if a.startswith("--config.")]
-    culprit = next((o for o in overrides if o.split(".")[-1] == key or key in o), key)
-    fail(f"unknown config key {culprit!r}; see the config file for the valid keys")
+    # ml_collections reports an unknown override key as AttributeError(KeyError("'key'...")),
+    # sometimes followed by a "Did you mean" hint.
+    text = str(e.args[0]) if e.args else ""
+    words = re.findall(r"\w+", text)
+    key = words[0] if words else text
+    overrides = [a.split("=")[0][len("--config."):] for a in argv if a.startswith("--config.")]
+    culprit = next((o for o in overrides if o.split(".")[-1] == key), key)
+    hint = re.search(r'Did you mean "(\w+)"', text)
+    fail(f"unknown config key {culprit!r}" +
+         (f" (did you mean {hint.group(1)!r}?)" if hint else "; see the config file for the keys"))
   except (KeyError, AttributeError, ValueError, TypeError) as e:
     fail(_one_line(e))
 

@@ -18,7 +18,7 @@ def tiny_sudoku_config(workdir_steps=4):
   config.model.update(dict(
       vocab_size=16, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
       num_kv_heads=1, head_dim=8, global_head_dim=8, num_global_kv_heads=1, num_experts=4,
-      top_k_experts=2, moe_intermediate_size=8, moe_tile_size=8))
+      top_k_experts=2, moe_intermediate_size=8, moe_tile_size=8, layer_types=()))
   config.data.prompt_format = "digits"
   config.data.num_threads = 0
   config.batch_size = 4
