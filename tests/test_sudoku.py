@@ -328,7 +328,8 @@ def test_generated_source_is_deterministic_per_index():
 
 
 def test_sources_work_with_grain(tmp_path):
-  grain_sources = pytest.importorskip("grain.sources")
+  import grain.sources as grain_sources
+
   generated = sudoku.GeneratedSudokuSource(10, 0, 40, 45)
   assert isinstance(generated, grain_sources.RandomAccessDataSource)
   path = str(tmp_path / "d.csv")
