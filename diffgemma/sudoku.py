@@ -91,6 +91,15 @@ def random_solution(rng: np.random.Generator) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
+def _with_digit(rows: list, cols: list, boxes: list, cell: int, bit: int) -> tuple:
+  """Copies of the unit masks with digit `bit` placed at `cell` (search branches own theirs)."""
+  rows, cols, boxes = rows[:], cols[:], boxes[:]
+  rows[_ROW[cell]] |= bit
+  cols[_COL[cell]] |= bit
+  boxes[_BOX[cell]] |= bit
+  return rows, cols, boxes
+
+
 def _search(
   rows: list,
   cols: list,
@@ -144,17 +153,13 @@ def _search(
     del placed[mark:]
     return 1
 
-  r, c, b = _ROW[best_cell], _COL[best_cell], _BOX[best_cell]
   rest = [cell for cell in empties if cell != best_cell]
   total = 0
   cands = best_cands
   while cands and total < limit:
     bit = cands & -cands
     cands ^= bit
-    sub_rows, sub_cols, sub_boxes = rows[:], cols[:], boxes[:]
-    sub_rows[r] |= bit
-    sub_cols[c] |= bit
-    sub_boxes[b] |= bit
+    sub_rows, sub_cols, sub_boxes = _with_digit(rows, cols, boxes, best_cell, bit)
     placed.append((best_cell, bit))
     total += _search(sub_rows, sub_cols, sub_boxes, rest, placed, limit - total, found)
     placed.pop()
@@ -234,10 +239,7 @@ def _has_other_solution(rows, cols, boxes, empties, cell, digit_bit) -> bool:
   while others:
     bit = others & -others
     others ^= bit
-    sub_rows, sub_cols, sub_boxes = rows[:], cols[:], boxes[:]
-    sub_rows[r] |= bit
-    sub_cols[c] |= bit
-    sub_boxes[b] |= bit
+    sub_rows, sub_cols, sub_boxes = _with_digit(rows, cols, boxes, cell, bit)
     if _search(sub_rows, sub_cols, sub_boxes, empties, [], 1, None):
       return True
   return False

@@ -109,7 +109,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   """
   model_cfg, loss_cfg, sampler_cfg = model_config(config), loss_config(config), sampler_config(config)
   tx, schedule = make_optimizer(config)
-  state = jax.jit(lambda: init_state(config, model_cfg, tx))()  # one compiled init, not per-op
+  state = init_state(config, model_cfg, tx)
   os.makedirs(workdir, exist_ok=True)
   mngr = checkpointing.manager(workdir, keep=config.keep_checkpoints)
   start_step = mngr.latest_step()
