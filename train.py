@@ -1,6 +1,7 @@
 """Train a DiffusionGemma model.
 
   python train.py --config=sft_sudoku --workdir=/tmp/sudoku [--config.num_train_steps=500 ...]
+  python train.py --config=CONFIG --workdir=DIR --init_from=CHECKPOINT_DIR   # fine-tune
 
 Rerunning on the same workdir resumes exactly (step, optimizer, data position, RNG).
 """
@@ -12,6 +13,10 @@ from diffgemma import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/NAME.py, or just NAME.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, config and logs.")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "Start a new run from these parameters: a transformers checkpoint dir "
+    "(DiffusionGemma or Gemma 4), an orbax model dir, or a training workdir. The model "
+    "architecture comes from the checkpoint.")
 
 
 def main(argv):
@@ -26,7 +31,7 @@ def main(argv):
     trainer.validate_config(_CONFIG.value)
   except (KeyError, TypeError, ValueError) as e:
     raise cli.UserError(f"bad config: {e}") from e
-  trainer.train(_CONFIG.value, _WORKDIR.value)
+  trainer.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value)
 
 
 if __name__ == "__main__":

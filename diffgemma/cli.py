@@ -35,6 +35,16 @@ def resolve_config_argv(argv: list[str]) -> list[str]:
   return out
 
 
+def load_named_config(name: str):
+  """configs/NAME.py's get_config(), for tools whose --config is optional."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIG_DIR, name + ".py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 def fail(message: str, code: int = 2):
   print(f"error: {message}", file=sys.stderr)
   sys.exit(code)
@@ -68,11 +78,13 @@ def _one_line(e: BaseException) -> str:
 
 def run(main, argv=None):
   """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2)."""
-  from diffgemma import checkpointing, hf_weights, sudoku  # local: keep flag parsing light
+  # local: keep flag parsing light
+  from diffgemma import checkpointing, hf_weights, safetensors_io, sudoku, tokenizer
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv))
   user_errors = (UserError, sudoku.SudokuDataError, checkpointing.CheckpointError,
-                 hf_weights.WeightMappingError)
+                 hf_weights.WeightMappingError, safetensors_io.CheckpointFormatError,
+                 tokenizer.TokenizerError)
   try:
     main(argv)
   except user_errors as e:

@@ -15,6 +15,9 @@ FULL = "full_attention"
 # Gemma 4's default layer pattern: five sliding-window layers, then one full layer.
 SLIDING_PATTERN_PERIOD = 6
 MOE_IMPLS = ("ragged_dot", "tiled")
+# Fields that say how to compute, not what the model is: a run that starts from a checkpoint
+# takes the architecture from the checkpoint and these from its own config.
+NUMERICS_FIELDS = ("param_dtype", "compute_dtype", "moe_impl", "moe_tile_size")
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:

@@ -396,9 +396,49 @@ def init_params(cfg: ModelConfig, rng, std: float | None = None) -> Params:
       "embedding": normal((cfg.vocab_size, d)),
       "final_norm": ones((d,)),
       "layers": layers,
-      "self_conditioning": {"pre_norm": ones((d,)), "gate": normal((d, f)), "up": normal((d, f)),
-                            "down": normal((f, d))},
+      "self_conditioning": _self_conditioning_block(d, f, normal, ones),
   }
+
+
+def _self_conditioning_block(d: int, f: int, normal, ones) -> Params:
+  return {"pre_norm": ones((d,)), "gate": normal((d, f)), "up": normal((d, f)),
+          "down": normal((f, d))}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def init_self_conditioning(cfg: ModelConfig, rng, std: float | None = None) -> Params:
+  """A fresh self-conditioning block, initialised as `init_params` does (for a decoder built
+  from a Gemma 4 AR backbone, which has none)."""
+  std = cfg.initializer_range if std is None else std
+  dt = jnp.dtype(cfg.param_dtype)
+  keys = iter(jax.random.split(rng, 3))
+  normal = lambda shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+  return _self_conditioning_block(cfg.hidden_size, cfg.intermediate_size, normal,
+                                  lambda shape: jnp.ones(shape, dt))
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+  """Shapes and dtypes of the parameters, without allocating them."""
+  return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+  """Total and per-token active parameter counts of a config (no weights allocated).
+
+  "Active" counts what one token's forward pass touches: the embedding (tied with the LM head),
+  every attention, dense-MLP, router and norm weight, and top_k of num_experts experts per layer.
+  The self-conditioning block is decoder-only and reported separately; `total` and `active`
+  exclude it, as the backbone counts of Gemma 4 do.
+  """
+  shapes = abstract_params(cfg)
+  size = lambda tree: int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
+  self_cond = size(shapes["self_conditioning"])
+  backbone = size(shapes) - self_cond
+  experts = sum(size(layer["experts"]) for layer in shapes["layers"])
+  active_experts = experts * cfg.top_k_experts // cfg.num_experts
+  return {"total": backbone, "active": backbone - experts + active_experts,
+          "embedding": size(shapes["embedding"]), "experts": experts,
+          "self_conditioning": self_cond}
 
 
 def count_params(params: Params) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import ml_collections
 
 from diffgemma import checkpointing, trainer
 
@@ -25,7 +26,17 @@ def load_run(workdir: str, **sampler_overrides) -> Run:
   tx, _ = trainer.make_optimizer(config)
   abstract_state = jax.eval_shape(lambda: trainer.init_state(config, model_cfg, tx))
   step, state = checkpointing.restore_latest(workdir, abstract_state)
+  return Run(config, model_cfg, _sampler(config, sampler_overrides), state["params"], int(step))
+
+
+def load_checkpoint_as_run(init_from: str, config, **sampler_overrides) -> Run:
+  """A model checkpoint directory (transformers, orbax or workdir) evaluated under `config`'s
+  task and sampler settings; the architecture comes from the checkpoint (step 0)."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  params = trainer.load_initial_params(config, init_from)
+  return Run(config, trainer.model_config(config), _sampler(config, sampler_overrides), params, 0)
+
+
+def _sampler(config, overrides):
   sampler_cfg = trainer.sampler_config(config)
-  if sampler_overrides:
-    sampler_cfg = dataclasses.replace(sampler_cfg, **sampler_overrides)
-  return Run(config, model_cfg, sampler_cfg, state["params"], int(step))
+  return dataclasses.replace(sampler_cfg, **overrides) if overrides else sampler_cfg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -11,8 +12,8 @@ import ml_collections
 import optax
 from tqdm import tqdm
 
-from diffgemma import checkpointing, data, evaluation, losses, model, sampler, sudoku
-from diffgemma.config import ModelConfig
+from diffgemma import checkpoint_io, checkpointing, data, evaluation, losses, model, sampler, sudoku
+from diffgemma.config import NUMERICS_FIELDS, ModelConfig
 from diffgemma.tb_writer import ScalarWriter
 
 
@@ -69,10 +70,41 @@ def make_optimizer(config: ml_collections.ConfigDict):
   return tx, schedule
 
 
-def init_state(config, model_cfg: ModelConfig, tx):
+def adopt_architecture(config: ml_collections.ConfigDict, arch: ModelConfig) -> list[str]:
+  """Set config.model to `arch`'s architecture, keeping the config's numerics fields.
+
+  Returns the changed fields as "name: old -> new" lines (for the log)."""
+  changes = []
+  with config.unlocked():
+    for field in dataclasses.fields(ModelConfig):
+      if field.name in NUMERICS_FIELDS:
+        continue
+      new = getattr(arch, field.name)
+      new = list(new) if isinstance(new, tuple) else new
+      old = config.model.get(field.name)
+      if (list(old) if isinstance(old, tuple) else old) != new:
+        changes.append(f"{field.name}: {old} -> {new}")
+      config.model[field.name] = new
+  return changes
+
+
+def load_initial_params(config: ml_collections.ConfigDict, init_from: str):
+  """Parameters from a checkpoint directory (transformers, orbax, or a training workdir); the
+  config's model architecture is replaced by the checkpoint's (numerics kept)."""
+  numerics = {k: config.model[k] for k in NUMERICS_FIELDS if k != "param_dtype"}
+  arch, params = checkpoint_io.load_model(init_from, dtype=config.model.param_dtype,
+                                          rng=jax.random.PRNGKey(config.seed), **numerics)
+  for change in adopt_architecture(config, arch):
+    print(f"  model.{change} (from {init_from})")
+  return params
+
+
+def init_state(config, model_cfg: ModelConfig, tx, params=None):
+  """The training state; random parameters unless `params` is given (a fine-tuning start)."""
   rng = jax.random.PRNGKey(config.seed)
   init_rng, train_rng = jax.random.split(rng)
-  params = model.init_params(model_cfg, init_rng)
+  if params is None:
+    params = model.init_params(model_cfg, init_rng)
   return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
           "rng": train_rng}
 
@@ -101,24 +133,40 @@ def held_out_puzzles(eval_cfg):
                                  eval_cfg.max_givens)
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
+def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None = None,
+          init_from: str | None = None) -> dict:
   """Train (or resume) in `workdir`; returns the last logged metrics.
 
   `stop_at` ends this invocation early at that step (with a checkpoint), as a preemption would;
-  the schedule still spans `num_train_steps`, so rerunning resumes the same run.
+  the schedule still spans `num_train_steps`, so rerunning resumes the same run. `init_from`
+  starts a new run from a checkpoint directory's parameters (see `load_initial_params`).
   """
-  model_cfg, loss_cfg, sampler_cfg = model_config(config), loss_config(config), sampler_config(config)
-  tx, schedule = make_optimizer(config)
-  state = init_state(config, model_cfg, tx)
+  config = ml_collections.ConfigDict(config.to_dict())  # adopting an architecture edits it
   os.makedirs(workdir, exist_ok=True)
   mngr = checkpointing.manager(workdir, keep=config.keep_checkpoints)
   start_step = mngr.latest_step()
+  tx, schedule = make_optimizer(config)
   if start_step is not None:
-    state = checkpointing.restore(mngr, start_step, checkpointing.abstract(state))
-    print(f"resumed from step {start_step} in {workdir}")
+    # The architecture is the run's, as saved when it started (possibly from --init_from).
+    adopt_architecture(config, model_config(checkpointing.load_config(workdir)))
+    model_cfg = model_config(config)
+    abstract_state = jax.eval_shape(lambda: init_state(config, model_cfg, tx))
+    state = checkpointing.restore(mngr, start_step, abstract_state)
+    print(f"resumed from step {start_step} in {workdir}" +
+          (" (--init_from applies only to a new run)" if init_from else ""))
   else:
     start_step = 0
+    params = None
+    if init_from:
+      print(f"initialising from {init_from}")
+      params = load_initial_params(config, init_from)
+      with config.unlocked():
+        config.init_from = os.path.abspath(init_from)
+      validate_config(config)
+    model_cfg = model_config(config)
+    state = init_state(config, model_cfg, tx, params)
     checkpointing.save_config(workdir, config)
+  loss_cfg, sampler_cfg = loss_config(config), sampler_config(config)
   num_params = model.count_params(state["params"])
   print(f"model: {num_params / 1e6:.3f}M parameters; training steps {start_step}.."
         f"{config.num_train_steps}")

@@ -4,24 +4,43 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, Gemma4Config,
+                          Gemma4ForConditionalGeneration)
 from transformers.cache_utils import DynamicCache
 
 SOFTCAP = 30.0
 
 
+TINY_TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                 num_global_key_value_heads=1, sliding_window=8, num_experts=4, top_k_experts=2,
+                 moe_intermediate_size=24, max_position_embeddings=512)
+
+
 def tiny_reference(seed: int, canvas_length: int = 8, **text_overrides):
   """A random tiny reference model in float32 with every weight perturbed away from its init
   (norm weights, router scales and layer scalars included), so parity checks see them all."""
-  text = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-              num_global_key_value_heads=1, sliding_window=8, num_experts=4, top_k_experts=2,
-              moe_intermediate_size=24, max_position_embeddings=512)
-  text.update(text_overrides)
   torch.manual_seed(seed)
-  config = DiffusionGemmaConfig(text_config=text, vision_config=None, canvas_length=canvas_length)
+  config = DiffusionGemmaConfig(text_config={**TINY_TEXT, **text_overrides}, vision_config=None,
+                                canvas_length=canvas_length)
   config._attn_implementation = "eager"
   model = DiffusionGemmaForBlockDiffusion(config).eval().float()
+  return _perturb(model, seed)
+
+
+def tiny_gemma4_reference(seed: int, **text_overrides):
+  """A random tiny Gemma 4 AR model (multimodal layout, text only) with DiffusionGemma's
+  backbone features: MoE block, k_eq_v on full layers, no per-layer inputs, soft-capped logits."""
+  torch.manual_seed(seed)
+  text = {**TINY_TEXT, "enable_moe_block": True, "attention_k_eq_v": True,
+          "hidden_size_per_layer_input": 0, "final_logit_softcapping": SOFTCAP, **text_overrides}
+  config = Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+  config._attn_implementation = "eager"
+  model = Gemma4ForConditionalGeneration(config).eval().float()
+  return _perturb(model, seed)
+
+
+def _perturb(model, seed: int):
   gen = torch.Generator().manual_seed(seed + 1)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -33,10 +52,11 @@ def tiny_reference(seed: int, canvas_length: int = 8, **text_overrides):
     # equal, as in a real checkpoint where both come from the same trained value.
     buffers = dict(model.named_buffers())
     for name, b in buffers.items():
-      if name.endswith("layer_scalar") and name.startswith("model.encoder."):
+      if name.endswith("layer_scalar") and not name.startswith("model.decoder."):
         b.copy_(0.5 + torch.rand(b.shape, generator=gen))
-        layer = name.split("layers.")[1]
-        buffers["model.decoder.layers." + layer].copy_(b)
+        decoder_copy = "model.decoder.layers." + name.split("layers.")[1]
+        if decoder_copy in buffers:
+          buffers[decoder_copy].copy_(b)
   return model
 
 

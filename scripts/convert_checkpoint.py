@@ -1,0 +1,64 @@
+"""Convert model checkpoints between transformers' layout and ours.
+
+  # released DiffusionGemma (transformers safetensors) -> our orbax format, in bfloat16
+  python scripts/convert_checkpoint.py --from=diffusiongemma-26B-A4B-it --to=ckpt/dg26b \
+      --format=orbax --dtype=bfloat16
+  # a training run or an orbax model -> transformers (DiffusionGemmaForBlockDiffusion)
+  python scripts/convert_checkpoint.py --from=runs/sudoku --to=export/sudoku --format=hf
+  # Gemma 4 AR checkpoint -> a new DiffusionGemma (self-conditioning block freshly initialised)
+  python scripts/convert_checkpoint.py --from=gemma-4-26B-A4B --to=ckpt/dg_init --format=orbax
+
+The destination must not exist yet; it is written under a temporary name and renamed when
+complete, so a failed conversion leaves nothing behind. Tokenizer files travel along.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+
+from diffgemma import cli  # noqa: E402
+
+_FROM = flags.DEFINE_string("from", None, "Source: transformers checkpoint dir (DiffusionGemma or "
+                            "Gemma 4), orbax model dir, or training workdir.")
+_TO = flags.DEFINE_string("to", None, "Destination directory (must not exist).")
+_FORMAT = flags.DEFINE_enum("format", None, ["hf", "orbax"],
+                            "Output format (default: orbax from a transformers dir, else hf).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
+                           "Parameter dtype of the output (default: the source's).")
+_CANVAS = flags.DEFINE_integer("canvas_length", None,
+                               "Canvas length of a model made from Gemma 4 (default 256).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the fresh self-conditioning block (Gemma 4).")
+_SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "Largest safetensors shard (hf output), GB.")
+
+
+def main(argv):
+  del argv
+  source, dest = flags.FLAGS["from"].value, _TO.value
+  if not source or not dest:
+    raise cli.UserError("--from and --to are required")
+  import jax
+
+  from diffgemma import checkpoint_io, model
+
+  kind = checkpoint_io.directory_kind(source)
+  out_format = _FORMAT.value or ("orbax" if kind == checkpoint_io.HF else "hf")
+  overrides = {} if _CANVAS.value is None else {"canvas_length": _CANVAS.value}
+  cfg, params = checkpoint_io.load_model(source, dtype=_DTYPE.value,
+                                         rng=jax.random.PRNGKey(_SEED.value), **overrides)
+  counts = model.param_counts(cfg)
+  print(f"loaded {source} ({kind}): {counts['total'] / 1e9:.3f}B parameters, "
+        f"{counts['active'] / 1e9:.3f}B active per token, {cfg.param_dtype}")
+  if out_format == "hf":
+    files = checkpoint_io.save_hf(cfg, params, dest, max_shard_bytes=int(_SHARD_GB.value * 2**30),
+                                  companions_from=source)
+    print(f"wrote {dest}: {len(files)} files in transformers' DiffusionGemma layout")
+  else:
+    checkpoint_io.save_orbax(cfg, params, dest, companions_from=source)
+    print(f"wrote {dest}: orbax model (config.json + params/)")
+
+
+if __name__ == "__main__":
+  cli.run(main)
