@@ -1,19 +1,166 @@
-"""Solve one Sudoku with a trained run, showing the canvas after every denoising step.
+"""Sample from a model: a text reply to a prompt, or one Sudoku solved step by step.
+
+Text, from a model checkpoint directory (transformers DiffusionGemma format, or our converter's
+output, with the tokenizer files beside the weights), with the report's sampler defaults:
+
+  python sample.py --init_from=/ckpt/diffusiongemma-26b-a4b-it --prompt="Why is the sky blue?"
+
+The prompt is one user turn of the chat template (`--chat=false`: plain text after BOS); the
+reply ends at EOS or at the end-of-turn marker. Sudoku, from a training run, showing the canvas
+after every denoising step:
 
   python sample.py --workdir=/tmp/sudoku --puzzle=53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79
 """
+
+import json
+import math
+import os
+import time
 
 from absl import flags
 
 from diffgemma import cli
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory.")
-_PUZZLE = flags.DEFINE_string("puzzle", None, "81 characters, row by row; '.' or '0' = blank.")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "Text mode: model checkpoint directory (transformers DiffusionGemma, or "
+    "scripts/convert_checkpoint.py output) holding tokenizer.json or tokenizer.model.")
+_PROMPT = flags.DEFINE_string("prompt", None, "Text mode: the prompt.")
+_CHAT = flags.DEFINE_bool("chat", True, "Text mode: wrap the prompt in the chat template "
+                          "(one user turn, then the opening of the model turn).")
+_MAX_NEW_TOKENS = flags.DEFINE_integer(
+    "max_new_tokens", None, "Text mode: token budget (whole canvases are denoised); default: "
+    "the sampler's (256).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                           "Text mode: parameter dtype; default: the checkpoint's.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Sudoku mode: training run directory.")
+_PUZZLE = flags.DEFINE_string("puzzle", None, "Sudoku mode: 81 characters, row by row; "
+                              "'.' or '0' = blank.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
 
 
 def main(argv):
   del argv
+  text_mode = _INIT_FROM.value is not None or _PROMPT.value is not None
+  sudoku_mode = _WORKDIR.value is not None or _PUZZLE.value is not None
+  if text_mode and sudoku_mode:
+    raise cli.UserError("choose text mode (--init_from, --prompt) or Sudoku mode (--workdir, "
+                        "--puzzle), not both")
+  if text_mode:
+    sample_text()
+  elif sudoku_mode:
+    sample_sudoku()
+  else:
+    raise cli.UserError("give --init_from and --prompt (text), or --workdir and --puzzle "
+                        "(Sudoku)")
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def sample_text():
+  """Reply to --prompt with the checkpoint in --init_from; print the text and a summary."""
+  path, text = _INIT_FROM.value, _PROMPT.value
+  if not path or text is None:
+    raise cli.UserError("text mode needs both --init_from and --prompt")
+  if not text.strip():
+    raise cli.UserError("--prompt is empty")
+  if _MAX_NEW_TOKENS.value is not None and _MAX_NEW_TOKENS.value <= 0:
+    raise cli.UserError(f"--max_new_tokens must be positive (got {_MAX_NEW_TOKENS.value})")
+  if not os.path.isdir(path):
+    raise cli.UserError(f"checkpoint directory {path!r} not found")
+  from diffgemma import tokenizer as tokenizer_lib
+
+  # Everything cheap is checked before the weights load (minutes for a large model).
+  try:
+    tok = tokenizer_lib.load_tokenizer(path)
+    prompt_ids = tok.chat_prompt(text) if _CHAT.value else [tok.bos_id] + tok.encode(text)
+  except tokenizer_lib.TokenizerError as e:
+    raise cli.UserError(str(e)) from None
+  hf_config = _read_json(os.path.join(path, "config.json"))
+  context = _context_length(hf_config)
+  if context is not None and len(prompt_ids) >= context:
+    raise cli.UserError(f"prompt is {len(prompt_ids)} tokens, longer than the model's context "
+                        f"of {context} tokens")
+
+  import jax
+  import numpy as np
+
+  from diffgemma import checkpoint_io, sampler
+
+  model_cfg, params = checkpoint_io.load_model(path, dtype=_DTYPE.value)
+  if max(prompt_ids) >= model_cfg.vocab_size:
+    raise cli.UserError(f"the tokenizer in {path} gives id {max(prompt_ids)}, outside the "
+                        f"model's vocabulary of {model_cfg.vocab_size}")
+  defaults = sampler.SamplerConfig()
+  max_new = _MAX_NEW_TOKENS.value or defaults.max_new_tokens
+  stops = _stop_ids(path, hf_config, tok, model_cfg)
+  sampler_cfg = defaults.replace(max_new_tokens=max_new, stop_token_ids=stops)
+  slots = math.ceil(max_new / model_cfg.canvas_length) * model_cfg.canvas_length
+  if context is not None and len(prompt_ids) + slots > context:
+    raise cli.UserError(
+        f"prompt of {len(prompt_ids)} tokens plus {slots} canvas slots exceeds the model's "
+        f"context of {context} tokens; lower --max_new_tokens or shorten the prompt")
+
+  prompt_1xP = np.asarray([prompt_ids], np.int32)
+  args = (prompt_1xP, np.ones_like(prompt_1xP, bool), jax.random.PRNGKey(_SEED.value))
+  start = time.perf_counter()
+  generate = jax.jit(sampler.generate, static_argnums=(1, 2)).lower(
+      params, model_cfg, sampler_cfg, *args).compile()
+  compiled = time.perf_counter()
+  out = jax.device_get(generate(params, *args))
+  seconds = time.perf_counter() - compiled
+
+  tokens = [int(t) for t in out["tokens"][0]]
+  end = next((i for i, t in enumerate(tokens) if t in stops), None)
+  reply = [t for t in tokens[:end] if t != model_cfg.pad_token_id]
+  print(tok.decode(reply))
+  num_tokens = int(out["num_tokens"][0])
+  ended = (f"stopped at {tok.decode([tokens[end]], skip_special_tokens=False)!r}"
+           if end is not None else "token budget reached")
+  print(f"[{len(prompt_ids)} prompt tokens, {num_tokens} generated ({ended}); "
+        f"TPF {float(out['tokens_per_forward'][0]):.2f}; {int(out['num_canvases'][0])} canvases, "
+        f"{float(out['steps_per_canvas'][0]):.1f} steps per canvas; "
+        f"{num_tokens / max(seconds, 1e-9):.1f} tokens/s "
+        f"({seconds:.2f}s, compile {compiled - start:.1f}s)]")
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.isfile(path):
+    return {}
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except ValueError:
+    raise cli.UserError(f"{path} is not valid JSON") from None
+
+
+def _context_length(hf_config: dict) -> int | None:
+  """max_position_embeddings of a transformers config.json (text_config or top level)."""
+  text = hf_config.get("text_config") or hf_config
+  value = text.get("max_position_embeddings")
+  return int(value) if value else None
+
+
+def _stop_ids(path: str, hf_config: dict, tok, model_cfg) -> tuple[int, ...]:
+  """Ids that end the reply, as the reference's list-valued eos_token_id: the model's EOS, the
+  checkpoint's generation_config.json eos ids (else config.json's), the tokenizer's EOS and
+  end-of-turn."""
+  ids = [model_cfg.eos_token_id]
+  generation = _read_json(os.path.join(path, "generation_config.json"))
+  declared = generation.get("eos_token_id")
+  if declared is None:
+    declared = (hf_config.get("text_config") or hf_config).get("eos_token_id")
+  if declared is not None:
+    ids += declared if isinstance(declared, list) else [declared]
+  ids += tok.stop_ids
+  return tuple(dict.fromkeys(int(i) for i in ids if 0 <= int(i) < model_cfg.vocab_size))
+
+
+# ----------------------------------------------------------------------------- Sudoku
+
+
+def sample_sudoku():
+  """Solve --puzzle with the run in --workdir, printing the canvas after every step."""
   if not _WORKDIR.value or _PUZZLE.value is None:
     raise cli.UserError("--workdir and --puzzle are required")
   from diffgemma import sudoku

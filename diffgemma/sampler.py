@@ -47,6 +47,9 @@ class SamplerConfig:
   mode: str = DIFFUSION  # "diffusion" | "ar" (left-to-right through the encoder)
   ar_temperature: float = 0.0  # AR mode only; 0 = greedy
   record_trajectory: bool = False  # keep every step's canvases (for RL replay)
+  # Ids that end a row besides the model's eos_token_id (e.g. a chat model's end-of-turn), as
+  # the reference's list-valued `eos_token_id`.
+  stop_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.mode not in (DIFFUSION, AR):
@@ -62,6 +65,7 @@ class SamplerConfig:
       raise ValueError("max_new_tokens must be positive")
     if self.ar_temperature < 0:
       raise ValueError("ar_temperature must be >= 0")
+    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
 
   def replace(self, **kwargs: Any) -> "SamplerConfig":
     return dataclasses.replace(self, **kwargs)
@@ -122,17 +126,31 @@ def stable_and_confident(history_SxBxC, argmax_BxC, tempered_logits_BxCxV, cfg: 
   return stable_B & (mean_entropy_B < cfg.confidence_threshold), history_SxBxC
 
 
-def finalize_canvas(canvas_BxC, finished_B, budget_reached, model_cfg: ModelConfig):
+def stop_ids(model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> tuple[int, ...]:
+  """The ids that end a row: the model's EOS, then the sampler's extra stop ids."""
+  return tuple(dict.fromkeys((model_cfg.eos_token_id,) + sampler_cfg.stop_token_ids))
+
+
+def is_stop(tokens, stop_token_ids: tuple[int, ...]):
+  """Elementwise: is the token one of `stop_token_ids` (the reference's `torch.isin`)."""
+  return jnp.isin(tokens, jnp.asarray(stop_token_ids, jnp.int32))
+
+
+def finalize_canvas(canvas_BxC, finished_B, budget_reached, model_cfg: ModelConfig,
+                    stop_token_ids: tuple[int, ...] | None = None):
   """EOS handling of a newly denoised canvas: (final canvas [B, C], finished [B]).
 
   Rows finished in earlier canvases get an all-pad canvas; in every row, tokens after the first
   EOS become pad (the EOS itself stays). A row finishes when its canvas (as denoised) holds an
-  EOS or when the token budget is reached (`budget_reached`, a scalar bool).
+  EOS or when the token budget is reached (`budget_reached`, a scalar bool). "EOS" is any of
+  `stop_token_ids` (default: the model's eos_token_id alone).
   """
-  eos, pad = model_cfg.eos_token_id, model_cfg.pad_token_id
-  finished_now_B = jnp.any(canvas_BxC == eos, axis=-1) | budget_reached
+  if stop_token_ids is None:
+    stop_token_ids = (model_cfg.eos_token_id,)
+  pad = model_cfg.pad_token_id
+  finished_now_B = jnp.any(is_stop(canvas_BxC, stop_token_ids), axis=-1) | budget_reached
   canvas_BxC = jnp.where(finished_B[:, None], pad, canvas_BxC)
-  is_eos_BxC = canvas_BxC == eos
+  is_eos_BxC = is_stop(canvas_BxC, stop_token_ids)
   eos_count_BxC = jnp.cumsum(is_eos_BxC, axis=-1)
   after_eos_BxC = (eos_count_BxC > 0) & ~((eos_count_BxC == 1) & is_eos_BxC)
   return jnp.where(after_eos_BxC, pad, canvas_BxC), finished_B | finished_now_B
@@ -314,7 +332,7 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
                                        jax.random.fold_in(rng, k), finished_B)
     budget_reached = (k + 1) * c >= sampler_cfg.max_new_tokens
     canvas_BxC, new_finished_B = finalize_canvas(canvas_BxC, finished_B, budget_reached,
-                                                 model_cfg)
+                                                 model_cfg, stop_ids(model_cfg, sampler_cfg))
     # Commit the final canvas (pads included, all attended, as the reference) only when another
     # canvas follows: the last canvas is never encoded.
     cache = jax.lax.cond(
@@ -349,7 +367,7 @@ def _generate_ar(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cac
   batch = last_logits_BxV.shape[0]
   c, k_max = model_cfg.canvas_length, num_canvases(model_cfg, sampler_cfg)
   max_new = sampler_cfg.max_new_tokens
-  eos, pad = model_cfg.eos_token_id, model_cfg.pad_token_id
+  stops, pad = stop_ids(model_cfg, sampler_cfg), model_cfg.pad_token_id
 
   def pick(logits_BxV, t):
     if sampler_cfg.ar_temperature == 0.0:
@@ -363,7 +381,7 @@ def _generate_ar(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cac
   def body(carry):
     t, done_B = carry["t"], carry["done"]
     token_B = jnp.where(done_B, pad, pick(carry["logits"], t))
-    new_done_B = done_B | (token_B == eos)
+    new_done_B = done_B | is_stop(token_B, stops)
 
     def step(args):
       cache, _ = args
@@ -396,7 +414,8 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
   Allocates a cache of P + K*C slots (K = ceil(max_new_tokens / C)), encodes the prompt (pads
   masked out; positions are slot indices, as the reference), then either
     diffusion: per canvas, `denoise_canvas`, `finalize_canvas`, and one encoder pass to commit
-      it; rows stop at EOS or the budget; the loop stops when every row has; or
+      it; rows stop at EOS (or a `stop_token_ids` id) or the budget; the loop stops when every
+      row has; or
     ar: one token per encoder pass from the last hidden state (greedy or `ar_temperature`).
   Returns a dict:
     tokens [B, K*C] int32 (pad after a row's end), num_tokens [B] (non-pad tokens),

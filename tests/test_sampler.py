@@ -145,6 +145,32 @@ def test_finalize_matches_reference():
     np.testing.assert_array_equal(np.asarray(ours_finished), theirs_finished.numpy())
 
 
+def test_finalize_with_stop_ids_matches_reference():
+  """Extra stop ids (a chat model's end-of-turn) against the reference's list-valued
+  eos_token_id: a row ends at the first of any of them; everything after it is pad."""
+  c, v, prefix, eot = 8, 16, 3, 9
+  stops = (EOS, eot)
+  rng = np.random.default_rng(1)
+  canvas = rng.integers(2, v, (5, c))
+  canvas[canvas == eot] = 5
+  canvas[0, 2], canvas[0, 5] = eot, EOS  # end-of-turn first, EOS after it
+  canvas[1, 4], canvas[1, 6] = EOS, eot  # EOS first
+  canvas[2, 0] = eot
+  canvas[3, 7] = eot  # finished earlier: all pad regardless
+  # row 4: neither
+  prev_finished = np.array([False, False, False, True, False])
+  ids = torch.tensor(np.concatenate([np.full((5, prefix), 7), canvas], 1))
+  criteria = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 1),
+                                   EosTokenCriteria(list(stops))])
+  gen_cfg = types.SimpleNamespace(pad_token_id=PAD, eos_token_id=list(stops))
+  theirs_ids, theirs_finished = ref.DiffusionGemmaGenerationMixin._finalize_canvas(
+      ids.clone(), torch.tensor(prev_finished), gen_cfg, criteria, c, torch.tensor(stops))
+  ours_canvas, ours_finished = sampler.finalize_canvas(
+      jnp.asarray(canvas, jnp.int32), jnp.asarray(prev_finished), False, CFG, stops)
+  np.testing.assert_array_equal(np.asarray(ours_canvas), theirs_ids[:, prefix:].numpy())
+  np.testing.assert_array_equal(np.asarray(ours_finished), theirs_finished.numpy())
+  assert sampler.stop_ids(CFG, sampler.SamplerConfig(stop_token_ids=[eot, EOS])) == stops
+
 def test_denoising_step_matches_reference_step(patch_model, monkeypatch):
   """Deterministic parts of the step (argmax, acceptance, accepted tokens, self-conditioning,
   finished rows and their freezing) against the reference `_denoising_step` on scripted logits;
@@ -348,11 +374,13 @@ def test_generate_end_to_end_tiny_model(params):
                              out["decoder_passes"] / out["num_canvases"], rtol=1e-6)
 
 
-def test_ar_mode_matches_python_loop(params):
-  """Greedy AR through the jitted sampler = a plain loop of encode + argmax on the same weights.
-  EOS is set to a token the loop emits mid-sequence in row 1 (the network does not depend on
-  the EOS id), so EOS and pad handling are exercised whatever the random weights."""
-  max_new, k = 12, 2
+AR_MAX_NEW, AR_CANVASES = 12, 2
+
+
+@pytest.fixture(scope="module")
+def ar_loop_tokens(params):
+  """[B, AR_MAX_NEW] greedy tokens of a plain Python loop of encode + argmax."""
+  max_new, k = AR_MAX_NEW, AR_CANVASES
   b, p = PROMPT.shape
   cache = model.init_cache(CFG, b, p + k * CFG.canvas_length)
   encode = jax.jit(lambda t, cache, valid: model.encode(params, CFG, t, cache, valid)).lower(
@@ -366,17 +394,30 @@ def test_ar_mode_matches_python_loop(params):
     token = np.asarray(jnp.argmax(model.lm_head(params, hidden[:, -1], CFG), -1))
     loop_tokens.append(token)
     hidden, cache = encode(token[:, None].astype(np.int32), cache, np.ones((b, 1), bool))
-  loop_tokens = np.stack(loop_tokens, 1)
-  eos = next(int(t) for t in loop_tokens[1, 3:] if t != PAD)
-  model_cfg = CFG.replace(eos_token_id=eos)
+  return np.stack(loop_tokens, 1)
 
-  cfg = sampler.SamplerConfig(mode="ar", max_new_tokens=max_new)
+
+@pytest.mark.parametrize("stop_via", ["eos_token_id", "stop_token_ids"])
+def test_ar_mode_matches_python_loop(params, ar_loop_tokens, stop_via):
+  """Greedy AR through the jitted sampler = a plain loop of encode + argmax on the same weights.
+  EOS is set to a token the loop emits mid-sequence in row 1 (the network does not depend on
+  the EOS id), so EOS and pad handling are exercised whatever the random weights; given as the
+  model's eos_token_id, or as an extra stop id beside the model's own EOS."""
+  max_new, k, loop_tokens = AR_MAX_NEW, AR_CANVASES, ar_loop_tokens
+  b = PROMPT.shape[0]
+  eos = next(int(t) for t in loop_tokens[1, 3:] if t != PAD)
+  if stop_via == "eos_token_id":
+    model_cfg, stops = CFG.replace(eos_token_id=eos), (eos,)
+    cfg = sampler.SamplerConfig(mode="ar", max_new_tokens=max_new)
+  else:
+    model_cfg, stops = CFG, (CFG.eos_token_id, eos)
+    cfg = sampler.SamplerConfig(mode="ar", max_new_tokens=max_new, stop_token_ids=(eos,))
   out = jax.tree_util.tree_map(np.asarray, compile_generate(params, model_cfg, cfg)(
       params, PROMPT, VALID, jax.random.PRNGKey(0)))
   expected = np.full((b, k * CFG.canvas_length), PAD)
   lengths = []
   for row in range(b):
-    eos_at = np.flatnonzero(loop_tokens[row] == eos)
+    eos_at = np.flatnonzero(np.isin(loop_tokens[row], stops))
     n = eos_at[0] + 1 if eos_at.size else max_new
     expected[row, :n] = loop_tokens[row, :n]
     lengths.append(n)

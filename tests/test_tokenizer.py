@@ -1,0 +1,294 @@
+"""The checkpoint tokenizer against transformers' own loading of the same files, and sample.py's
+text mode end to end on a tiny checkpoint.
+
+Each test builds its tokenizer: a Gemma-like BPE `tokenizer.json` (the `tokenizers` package) or a
+tiny SentencePiece model, with Gemma's special ids (<pad> 0, <eos> 1, <bos> 2) and turn markers.
+"""
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import sentencepiece
+import tokenizers
+from tokenizers import decoders, normalizers, trainers
+from transformers import AutoTokenizer, GemmaTokenizer
+
+from diffgemma import tokenizer as tokenizer_lib
+from tests.test_cli import ROOT, one_line_error
+
+CORPUS = ["the quick brown fox jumps over the lazy dog\n", "hello world, how are you?\n",
+          "user\nmodel\nthought\n", "a block diffusion model denoises a canvas of tokens\n"]
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"]
+TEXT = "hello world, the lazy fox"
+
+# Gemma 4's generation prompt, written as its templates write it (the 26B-A4B's adds the empty
+# thought channel when thinking is off; `thought_channel` switches that part on).
+GEMMA4_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for m in messages -%}"
+    "{{- '<|turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' -}}"
+    "{{- m['content'] | trim -}}{{- '<turn|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}"
+    "THOUGHT"
+    "{%- endif -%}")
+EMPTY_THOUGHT = ("{%- if not enable_thinking | default(false) -%}"
+                 "{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}")
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def write_tokenizer_json(directory, vocab_size=64, specials=SPECIALS, template=None,
+                         config_extra=None):
+  """A Gemma-like BPE tokenizer.json (normalizer ' ' -> '▁', Gemma's decoder) of exactly
+  `vocab_size` ids, plus tokenizer_config.json and, if given, chat_template.jinja."""
+  os.makedirs(directory, exist_ok=True)
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+  tok.normalizer = normalizers.Replace(" ", "▁")
+  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse()])
+  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab_size,
+                                                      special_tokens=specials,
+                                                      show_progress=False))
+  assert tok.get_vocab_size() == vocab_size
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>",
+            "pad_token": "<pad>", "unk_token": "<unk>", **(config_extra or {})}
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f)
+  if template is not None:
+    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+      f.write(template)
+  return directory
+
+
+def write_sentencepiece(directory, template=None):
+  """A tiny SentencePiece BPE model with Gemma's trainer settings and special ids."""
+  os.makedirs(directory, exist_ok=True)
+  model = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(CORPUS * 3), model_writer=model, vocab_size=90, model_type="bpe",
+      pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+      bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=SPECIALS[4:],
+      add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity",
+      split_digits=True, allow_whitespace_only_pieces=True, character_coverage=1.0,
+      hard_vocab_limit=False, minloglevel=2)
+  with open(os.path.join(directory, "tokenizer.model"), "wb") as f:
+    f.write(model.getvalue())
+  if template is not None:
+    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+      f.write(template)
+  return directory
+
+
+def reference_chat_ids(hf_tokenizer, text):
+  return list(hf_tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True, tokenize=True,
+                                               return_dict=False))
+
+
+def test_tokenizer_json_matches_transformers(tmp_path):
+  d = write_tokenizer_json(tmp_path, template=GEMMA4_TEMPLATE.replace("THOUGHT", ""))
+  tok = tokenizer_lib.load_tokenizer(d)
+  ref = AutoTokenizer.from_pretrained(d)
+  assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (ref.bos_token_id, ref.eos_token_id,
+                                                  ref.pad_token_id)
+  assert tok.vocab_size == 64
+  assert (tok.start_of_turn, tok.end_of_turn) == tokenizer_lib.GEMMA4_TURN
+  assert tok.eot_id == ref.convert_tokens_to_ids("<turn|>") == 5
+  assert tok.stop_ids == (1, 5)
+  for text in (TEXT, "how are you?\nthe dog", " leading and trailing  ", "<|turn>user"):
+    ids = tok.encode(text)
+    assert ids == ref.encode(text, add_special_tokens=False), text
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+  assert tok.decode(tok.encode(TEXT)) == TEXT
+  # Specials are dropped unless asked for; ids outside the vocabulary are ignored.
+  ids = [tok.bos_id] + tok.encode(TEXT) + [tok.eos_id, 1000]
+  assert tok.decode(ids) == TEXT
+  assert tok.decode(ids, skip_special_tokens=False) == "<bos>" + TEXT + "<eos>"
+
+
+def test_chat_prompt_gemma4_exact(tmp_path):
+  d = write_tokenizer_json(tmp_path, template=GEMMA4_TEMPLATE.replace("THOUGHT", ""))
+  tok = tokenizer_lib.load_tokenizer(d)
+  ids = tok.chat_prompt("  hello world \n")
+  sot, eot = tok.token_to_id("<|turn>"), tok.token_to_id("<turn|>")
+  expected = ([tok.bos_id, sot] + tok.encode("user\nhello world") + [eot] + tok.encode("\n") +
+              [sot] + tok.encode("model\n"))
+  assert ids == expected
+  assert tok.decode(ids, skip_special_tokens=False) == (
+      "<bos><|turn>user\nhello world<turn|>\n<|turn>model\n")
+  assert tok.generation_suffix == ""
+  assert ids == reference_chat_ids(AutoTokenizer.from_pretrained(d), "  hello world \n")
+
+
+def test_chat_prompt_empty_thought_channel(tmp_path):
+  """A template that opens the model turn with an empty thought channel (Gemma 4 26B-A4B,
+  thinking off) gets it in the prompt too."""
+  d = write_tokenizer_json(tmp_path, template=GEMMA4_TEMPLATE.replace("THOUGHT", EMPTY_THOUGHT))
+  tok = tokenizer_lib.load_tokenizer(d)
+  assert tok.generation_suffix == "<|channel>thought\n<channel|>"
+  ids = tok.chat_prompt(TEXT)
+  assert tok.decode(ids, skip_special_tokens=False).endswith(
+      "<|turn>model\n<|channel>thought\n<channel|>")
+  assert ids == reference_chat_ids(AutoTokenizer.from_pretrained(d), TEXT)
+
+
+def test_chat_markers_from_template_and_config(tmp_path):
+  specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<|turn>",
+              "<turn|>"]
+  # Gemma 2/3 markers, read off the template although the vocabulary has both pairs.
+  d = write_tokenizer_json(tmp_path / "g3", specials=specials, template=GEMMA3_TEMPLATE)
+  tok = tokenizer_lib.load_tokenizer(d)
+  assert (tok.start_of_turn, tok.end_of_turn) == tokenizer_lib.GEMMA3_TURN
+  assert tok.stop_ids == (1, 5)
+  assert tok.chat_prompt(TEXT) == reference_chat_ids(AutoTokenizer.from_pretrained(d), TEXT)
+  # Named in tokenizer_config.json (Gemma 4's sot_token / eot_token): those win.
+  d = write_tokenizer_json(tmp_path / "named", specials=specials,
+                           config_extra={"sot_token": "<start_of_turn>",
+                                         "eot_token": {"content": "<end_of_turn>"}})
+  assert tokenizer_lib.load_tokenizer(d).end_of_turn == "<end_of_turn>"
+  # No template, no names: the pair the vocabulary has; Gemma 4's first.
+  d = write_tokenizer_json(tmp_path / "vocab", specials=specials)
+  assert tokenizer_lib.load_tokenizer(d).start_of_turn == "<|turn>"
+
+
+def test_sentencepiece_matches_transformers(tmp_path):
+  d = write_sentencepiece(tmp_path, template=GEMMA4_TEMPLATE.replace("THOUGHT", ""))
+  tok = tokenizer_lib.load_tokenizer(d)
+  # transformers converts the same tokenizer.model to its fast tokenizer.
+  ref = GemmaTokenizer.from_pretrained(d)
+  assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+  assert tok.eot_id == ref.convert_tokens_to_ids("<turn|>")
+  assert tok.stop_ids == (1, tok.eot_id)
+  for text in (TEXT, "how are you?\nthe dog", "a canvas  of tokens "):
+    ids = tok.encode(text)
+    assert ids == ref.encode(text, add_special_tokens=False), text
+    assert tok.decode(ids) == text
+  ids = tok.chat_prompt(" hello world ")
+  assert ids == reference_chat_ids(ref, " hello world ")
+  assert tok.decode(ids) == "user\nhello world\nmodel\n"  # markers dropped as special
+
+
+def test_tokenizer_json_preferred_over_sentencepiece(tmp_path):
+  write_sentencepiece(tmp_path)
+  write_tokenizer_json(tmp_path)
+  assert tokenizer_lib.load_tokenizer(tmp_path).vocab_size == 64
+
+
+def test_missing_and_malformed_tokenizer(tmp_path):
+  with pytest.raises(tokenizer_lib.TokenizerError, match=re.escape(str(tmp_path))) as e:
+    tokenizer_lib.load_tokenizer(tmp_path)
+  assert "tokenizer.json" in str(e.value) and "\n" not in str(e.value)
+  (tmp_path / "tokenizer.json").write_text("{not json")
+  with pytest.raises(tokenizer_lib.TokenizerError, match="cannot read") as e:
+    tokenizer_lib.load_tokenizer(tmp_path)
+  assert "\n" not in str(e.value)
+  # A vocabulary without turn markers loads, but cannot build a chat prompt.
+  d = write_tokenizer_json(tmp_path / "plain", specials=SPECIALS[:4])
+  tok = tokenizer_lib.load_tokenizer(d)
+  assert tok.eot_id is None and tok.stop_ids == (1,)
+  with pytest.raises(tokenizer_lib.TokenizerError, match="<|turn>"):
+    tok.chat_prompt(TEXT)
+
+
+# ----------------------------------------------------------------------------- sample.py
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """A tiny random DiffusionGemma in transformers' format with a 64-id tokenizer beside it."""
+  from tests import reference
+
+  d = str(tmp_path_factory.mktemp("ckpt"))
+  reference.tiny_reference(seed=0, canvas_length=8, num_hidden_layers=2,
+                           layer_types=["sliding_attention", "full_attention"]).save_pretrained(d)
+  write_tokenizer_json(d, template=GEMMA4_TEMPLATE.replace("THOUGHT", ""))
+  return d
+
+
+# Lighter XLA compilation for the subprocess: these programs are tiny.
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+SUMMARY = re.compile(r"^\[(\d+) prompt tokens, (\d+) generated \((.*)\); TPF ([\d.]+); "
+                     r"(\d+) canvases, ([\d.]+) steps per canvas; .*\]$")
+
+
+def run(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA)
+  return subprocess.run([sys.executable, *args], check=False, cwd=ROOT, capture_output=True,
+                        text=True, env=env, timeout=300)
+
+
+def test_sample_text_end_to_end(checkpoint, tmp_path):
+  """sample.py's reply = our sampler run here on the same chat prompt, cut at the first stop id.
+  The checkpoint's generation_config.json names an extra EOS: a token the sampler emits early in
+  the first canvas, so the reply ends there (denoising never reads the stop ids)."""
+  import jax
+  import numpy as np
+
+  from diffgemma import checkpoint_io, sampler
+
+  prompt, max_new, seed = "hello world, how are you?", 16, 3
+  tok = tokenizer_lib.load_tokenizer(checkpoint)
+  model_cfg, params = checkpoint_io.load_model(checkpoint)
+  sampler_cfg = sampler.SamplerConfig(max_new_tokens=max_new, stop_token_ids=tok.stop_ids)
+  prompt_1xP = np.asarray([tok.chat_prompt(prompt)], np.int32)
+  args = (prompt_1xP, np.ones_like(prompt_1xP, bool), jax.random.PRNGKey(seed))
+  generate = jax.jit(sampler.generate, static_argnums=(1, 2)).lower(
+      params, model_cfg, sampler_cfg, *args).compile(FAST_COMPILE)
+  tokens = [int(t) for t in jax.device_get(generate(params, *args))["tokens"][0]]
+  first_canvas = tokens[:model_cfg.canvas_length]
+  # The first token from position 2 on that has not appeared before it.
+  stop = next(t for j, t in enumerate(first_canvas) if j >= 2 and t not in first_canvas[:j]
+              and t != model_cfg.pad_token_id)
+  end = next(j for j, t in enumerate(tokens) if t in set(tok.stop_ids) | {stop})
+  reply = tok.decode([t for t in tokens[:end] if t != model_cfg.pad_token_id])
+
+  d = shutil.copytree(checkpoint, tmp_path / "ckpt")
+  with open(d / "generation_config.json", "w") as f:
+    json.dump({"eos_token_id": [model_cfg.eos_token_id, stop]}, f)
+  r = run("sample.py", f"--init_from={d}", f"--prompt={prompt}", f"--max_new_tokens={max_new}",
+          f"--seed={seed}")
+  assert r.returncode == 0, r.stderr
+  summary = SUMMARY.match(r.stdout.rstrip("\n").splitlines()[-1])
+  assert summary, r.stdout
+  assert r.stdout.endswith(reply + "\n" + summary.group(0) + "\n"), (reply, r.stdout)
+  num_prompt, num_generated, ended, tpf, canvases, _ = summary.groups()
+  assert int(num_prompt) == prompt_1xP.shape[1]
+  assert int(num_generated) == sum(t != model_cfg.pad_token_id for t in tokens[:end + 1])
+  token = tok.decode([tokens[end]], skip_special_tokens=False)
+  assert ended == f"stopped at {token!r}" and int(canvases) == 1 and float(tpf) > 0
+
+
+def test_sample_plain_text(checkpoint):
+  """--chat=false: BOS + the text, no turn markers."""
+  prompt = "hello world, how are you?"
+  r = run("sample.py", f"--init_from={checkpoint}", f"--prompt={prompt}", "--max_new_tokens=8",
+          "--chat=false")
+  assert r.returncode == 0, r.stderr
+  summary = SUMMARY.match(r.stdout.rstrip("\n").splitlines()[-1])
+  assert summary, r.stdout
+  tok = tokenizer_lib.load_tokenizer(checkpoint)
+  assert int(summary.group(1)) == 1 + len(tok.encode(prompt))
+
+
+def test_sample_text_errors(checkpoint, tmp_path):
+  one_line_error(run("sample.py", f"--init_from={checkpoint}", "--prompt=  "), "empty")
+  # The tiny model's context is 512 positions; checked before the weights load.
+  one_line_error(run("sample.py", f"--init_from={checkpoint}", "--prompt=" + "hello " * 600),
+                 "longer than the model's context of 512")
+  one_line_error(run("sample.py", f"--init_from={tmp_path}", "--prompt=hi"), str(tmp_path),
+                 "tokenizer")
+  one_line_error(run("sample.py", f"--init_from={checkpoint}", "--prompt=hi",
+                     "--puzzle=" + "." * 81), "not both")
+  one_line_error(run("sample.py", f"--init_from={checkpoint}"), "--prompt")
