@@ -34,6 +34,10 @@ def load_checkpoint_as_run(init_from: str, config, **sampler_overrides) -> Run:
   task and sampler settings; the architecture comes from the checkpoint (step 0)."""
   config = ml_collections.ConfigDict(config.to_dict())
   params = trainer.load_initial_params(config, init_from)
+  try:
+    trainer.validate_config(config)  # e.g. the checkpoint's vocabulary against the task's
+  except (KeyError, TypeError, ValueError) as e:
+    raise checkpointing.CheckpointError(f"{init_from} does not fit the config: {e}") from None
   return Run(config, trainer.model_config(config), _sampler(config, sampler_overrides), params, 0)
 
 

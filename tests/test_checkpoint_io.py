@@ -112,6 +112,32 @@ def test_import_places_each_tensor_on_its_sharding(saved_reference):
   assert all(x.sharding == sharding for x in jax.tree_util.tree_leaves(params))
 
 
+_TWO_DEVICE_IMPORT = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, numpy as np
+from diffgemma import checkpoint_io
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+layout = lambda path: split if path == ("embedding",) else replicated
+_, params = checkpoint_io.load_model(sys.argv[1], shardings=layout, log=lambda _: None)
+_, host = checkpoint_io.load_model(sys.argv[1], log=lambda _: None)
+emb = params["embedding"]
+assert [s.data.shape for s in emb.addressable_shards] == [(32, 32), (32, 32)], emb.sharding
+assert {s.device for s in emb.addressable_shards} == set(jax.devices())
+jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, host)
+print("ok")
+"""
+
+
+def test_import_splits_tensors_across_two_devices(saved_reference):
+  from tests.test_cli import run
+
+  r = run("-c", _TWO_DEVICE_IMPORT, saved_reference[1])
+  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
 def test_gemma4_import_loads_every_backbone_tensor(tmp_path):
   ref = reference.tiny_gemma4_reference(seed=5)
   path = str(tmp_path / "gemma4")
@@ -244,6 +270,17 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
                  "already exists")
   one_line_error(run("scripts/convert_checkpoint.py", f"--from={tmp_path / 'nowhere'}",
                      f"--to={tmp_path / 'x'}"), "not found")
+  # eval.py evaluates a converted checkpoint under a task config (architecture from the
+  # checkpoint); a config whose prompt vocabulary does not fit the model is refused.
+  from diffgemma import sudoku
+
+  csv = str(tmp_path / "puzzles.csv")
+  sudoku.write_csv(csv, *sudoku.generate_puzzles(7, 4, 40, 44))
+  r = run("eval.py", f"--init_from={orbax_dir}", f"--data={csv}", "--config=sft_sudoku",
+          "--config.data.prompt_format=digits", "--config.sampler.max_denoising_steps=4")
+  assert r.returncode == 0, r.stderr
+  assert json.loads(r.stdout.strip().splitlines()[-1])["num_puzzles"] == 4
+  one_line_error(run("eval.py", f"--init_from={exported}", f"--data={csv}"), "too small")
 
   # A new run whose config asks for a different architecture adopts the checkpoint's, starts
   # from its exact parameters, records where it came from, and resumes under it.
