@@ -2,8 +2,8 @@
 
 The format is a little-endian u64 header length, a JSON header (name -> dtype, shape, byte
 offsets) and the raw bytes. We parse it ourselves so that bfloat16 and float8 tensors come back
-as zero-copy numpy memory maps (ml_dtypes), which the `safetensors` package's numpy backend
-cannot do; a 26B checkpoint is then never read into memory as a whole.
+as numpy arrays (ml_dtypes), which the `safetensors` package's numpy backend cannot do, and so
+that tensors are read one at a time: a 26B checkpoint is never in host memory as a whole.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class CheckpointFormatError(FileNotFoundError):
 
 
 class SafetensorsFile:
-  """One .safetensors file: its header, and tensors as read-only memory maps."""
+  """One .safetensors file: its header, and its tensors read on demand."""
 
   def __init__(self, path: str):
     self.path = path
@@ -67,25 +67,27 @@ class SafetensorsFile:
                                     f"{entry.get('dtype')!r}")
       if self._data_start + entry["data_offsets"][1] > size:
         raise CheckpointFormatError(f"{path} is truncated (tensor {name!r} runs past the end)")
-    self._mmap = None
-
   def keys(self):
     return self.header.keys()
 
   def get(self, name: str) -> np.ndarray:
-    if self._mmap is None:  # mapped lazily: opening an index of many shards stays cheap
-      self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+    """One tensor, read into a fresh array. (A memory map would keep every page it touched
+    resident until the whole file is closed: a second copy of the model by the end of a load.)"""
     entry = self.header[name]
     start, end = entry["data_offsets"]
     dtype = _DTYPES[entry["dtype"]]
-    raw = self._mmap[self._data_start + start:self._data_start + end]
+    with open(self.path, "rb") as f:
+      f.seek(self._data_start + start)
+      raw = np.fromfile(f, dtype=np.uint8, count=end - start)
+    if raw.size != end - start:
+      raise CheckpointFormatError(f"{self.path} is truncated (tensor {name!r})")
     return raw.view(dtype).reshape(entry["shape"])
 
 
 class SafetensorsDir(Mapping):
   """All tensors of a checkpoint directory (sharded with an index, or one file), lazily.
 
-  A Mapping name -> read-only numpy memory map; a shard named by the index but absent from the
+  A Mapping name -> numpy array (read from disk on each access); a shard named by the index but absent from the
   directory is reported by its file name.
   """
 
