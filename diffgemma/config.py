@@ -14,10 +14,11 @@ FULL = "full_attention"
 
 # Gemma 4's default layer pattern: five sliding-window layers, then one full layer.
 SLIDING_PATTERN_PERIOD = 6
-MOE_IMPLS = ("ragged_dot", "tiled")
+MOE_IMPLS = ("ragged_dot", "tiled", "pallas")
+ATTENTION_IMPLS = ("xla", "pallas")
 # Fields that say how to compute, not what the model is: a run that starts from a checkpoint
 # takes the architecture from the checkpoint and these from its own config.
-NUMERICS_FIELDS = ("param_dtype", "compute_dtype", "moe_impl", "moe_tile_size")
+NUMERICS_FIELDS = ("param_dtype", "compute_dtype", "moe_impl", "moe_tile_size", "attention_impl")
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:
@@ -64,8 +65,11 @@ class ModelConfig:
   qk_norm_init: float = 1.0
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
-  moe_impl: str = "ragged_dot"  # or "tiled": exact, faster on CPU (see model.moe)
+  moe_impl: str = "ragged_dot"  # "tiled": exact, faster on CPU; "pallas": the grouped kernel
   moe_tile_size: int = 128  # rows per tile for moe_impl="tiled"
+  # "xla": a materialised mask and two einsums; "pallas": the flash-style canvas-attention
+  # kernel (diffgemma/kernels/attention.py; interpret mode on CPU, slow there).
+  attention_impl: str = "xla"
 
   def __post_init__(self):
     if not self.layer_types:
@@ -83,6 +87,9 @@ class ModelConfig:
       raise ValueError("top_k_experts exceeds num_experts")
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"unknown moe_impl {self.moe_impl!r}; choose one of {MOE_IMPLS}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"unknown attention_impl {self.attention_impl!r}; choose one of "
+                       f"{ATTENTION_IMPLS}")
 
   def layer_head_dim(self, i: int) -> int:
     return self.head_dim if self.layer_types[i] == SLIDING else self.global_head_dim

@@ -25,7 +25,7 @@ V vocab, E experts, N tokens (flattened), M token-expert assignments.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +95,37 @@ def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_
   if sliding_window is not None:
     visible &= kv_pos_BxS[:, None, :] > q_anchor_BxT[:, :, None] - sliding_window
   return visible
+
+
+class MaskSpec(NamedTuple):
+  """The ingredients of `attention_mask` for one layer type (window None = full attention)."""
+  q_anchor_BxT: jnp.ndarray
+  q_limit_BxT: jnp.ndarray
+  kv_pos_BxS: jnp.ndarray
+  kv_valid_BxS: jnp.ndarray
+  window: int | None
+
+
+def layer_mask_specs(cfg: ModelConfig, q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS):
+  """{layer type: (MaskSpec, materialised [B,T,S] mask or None)}; the XLA path builds each
+  mask once per layer type, the Pallas kernel builds it block by block itself."""
+  specs = {}
+  for lt in set(cfg.layer_types):
+    spec = MaskSpec(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS,
+                    cfg.sliding_window if lt == SLIDING else None)
+    specs[lt] = (spec, None if cfg.attention_impl == "pallas" else attention_mask(*spec))
+  return specs
+
+
+def attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, spec_and_mask, cfg: ModelConfig):
+  """Attention by `cfg.attention_impl`: the XLA reference or the Pallas canvas kernel."""
+  spec, mask_BxTxS = spec_and_mask
+  if cfg.attention_impl == "pallas":
+    from diffgemma.kernels import attention as attention_kernel  # local: the kernel imports us
+
+    return attention_kernel.canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, *spec[:4],
+                                             spec.window)
+  return attend(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, mask_BxTxS)
 
 
 def attend(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, mask_BxTxS):
@@ -277,10 +308,7 @@ def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT
   kv_valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (0, start))
   num_slots = kv_valid_BxS.shape[1]
   kv_pos_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
-  masks = {
-      lt: attention_mask(positions_BxT, positions_BxT, kv_pos_BxS, kv_valid_BxS,
-                         cfg.sliding_window if lt == SLIDING else None)
-      for lt in set(cfg.layer_types)}
+  masks = layer_mask_specs(cfg, positions_BxT, positions_BxT, kv_pos_BxS, kv_valid_BxS)
 
   h = embed(params, tokens_BxT, cfg)
   new_layers = []
@@ -293,7 +321,7 @@ def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT
                                            (0, start, 0, 0))
       v_all = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype),
                                            (0, start, 0, 0))
-      out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), masks[layer_type])
+      out = attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), masks[layer_type], cfg)
       return out, {"k": k_all, "v": v_all}
 
     h, new_cache = transformer_layer(h, layer, layer_type, cfg, attention_fn)
@@ -323,10 +351,7 @@ def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_le
       [cache["valid"] & (slot_BxS < prefix_len_B[:, None]), jnp.ones((b, c), bool)], axis=1)
   anchor_BxC = jnp.broadcast_to(prefix_len_B[:, None], (b, c))
   limit_BxC = anchor_BxC + c - 1
-  masks = {
-      lt: attention_mask(anchor_BxC, limit_BxC, kv_pos, kv_valid,
-                         cfg.sliding_window if lt == SLIDING else None)
-      for lt in set(cfg.layer_types)}
+  masks = layer_mask_specs(cfg, anchor_BxC, limit_BxC, kv_pos, kv_valid)
 
   x = embed(params, canvas_BxC, cfg)
   sc = params["self_conditioning"]
@@ -347,7 +372,7 @@ def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_le
       q, k, v = project_qkv(normed, layer["attn"], layer_type, positions_BxC, cfg)
       k_all = jnp.concatenate([layer_cache["k"].astype(q.dtype), k], axis=1)
       v_all = jnp.concatenate([layer_cache["v"].astype(q.dtype), v], axis=1)
-      return attend(q, k_all, v_all, masks[layer_type]), None
+      return attention(q, k_all, v_all, masks[layer_type], cfg), None
 
     h, _ = transformer_layer(h, layer, layer_type, cfg, attention_fn)
   h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
