@@ -160,9 +160,10 @@ def route(x_NxD, router: Params, cfg: ModelConfig):
 def moe(x_NxD, weights_Nxk, index_Nxk, experts: Params, cfg: ModelConfig):
   """Mixture of experts over token-expert assignments sorted by expert (no dense E x N compute).
 
-  `cfg.moe_impl` picks the grouped matmul: "ragged_dot" (jax.lax.ragged_dot; the accelerator
-  path) or "tiled" (each expert's rows padded to whole tiles, one batched matmul over tiles with
-  the tile's expert weights; exact, and much faster than ragged_dot on CPU).
+  `cfg.moe_impl` picks the grouped matmul: "ragged_dot" (jax.lax.ragged_dot), "tiled" (each
+  expert's rows padded to whole tiles, one batched matmul over tiles with the tile's expert
+  weights; exact, and much faster than ragged_dot on CPU) or "pallas" (the grouped kernel in
+  diffgemma/kernels/moe.py with fused gate/up and the combine weights in its epilogue).
   """
   n, d = x_NxD.shape
   top_k = index_Nxk.shape[1]
@@ -174,13 +175,20 @@ def moe(x_NxD, weights_Nxk, index_Nxk, experts: Params, cfg: ModelConfig):
   x_MxD = x_NxD[token_M]
   gate_up_w = experts["gate_up"].astype(x_NxD.dtype)
   down_w = experts["down"].astype(x_NxD.dtype)
-  if cfg.moe_impl == "ragged_dot":
-    gate, up = jnp.split(jax.lax.ragged_dot(x_MxD, gate_up_w, group_sizes_E), 2, axis=-1)
-    y_MxD = jax.lax.ragged_dot(gelu_tanh(gate) * up, down_w, group_sizes_E)
-  else:
-    y_MxD = _tiled_expert_mlp(x_MxD, group_sizes_E, gate_up_w, down_w, cfg.moe_tile_size)
   # Combine weights are applied per assignment, then scattered back: nothing of size E x N.
-  y_MxD = y_MxD * weights_Nxk.reshape(-1)[order_M][:, None].astype(y_MxD.dtype)
+  row_weights_M = weights_Nxk.reshape(-1)[order_M]
+  if cfg.moe_impl == "pallas":
+    from diffgemma.kernels import moe as moe_kernel  # local: Pallas only when asked for
+
+    # The kernel applies the combine weights in its down-projection epilogue.
+    y_MxD = moe_kernel.expert_mlp(x_MxD, group_sizes_E, gate_up_w, down_w, row_weights_M)
+  else:
+    if cfg.moe_impl == "ragged_dot":
+      gate, up = jnp.split(jax.lax.ragged_dot(x_MxD, gate_up_w, group_sizes_E), 2, axis=-1)
+      y_MxD = jax.lax.ragged_dot(gelu_tanh(gate) * up, down_w, group_sizes_E)
+    else:
+      y_MxD = _tiled_expert_mlp(x_MxD, group_sizes_E, gate_up_w, down_w, cfg.moe_tile_size)
+    y_MxD = y_MxD * row_weights_M[:, None].astype(y_MxD.dtype)
   return jnp.zeros((n, d), y_MxD.dtype).at[token_M].add(y_MxD)
 
 
