@@ -276,9 +276,21 @@ def lm_head(params: Params, h_BxTxD, cfg: ModelConfig):
 
 def self_conditioning_embedding(params: Params, logits_BxCxV, cfg: ModelConfig):
   """softmax(previous logits) @ embedding * sqrt(D): the decoder's soft input."""
+  return soft_embedding(params, jax.nn.softmax(logits_BxCxV.astype(jnp.float32), axis=-1), cfg)
+
+
+def soft_embedding(params: Params, probs_BxCxV, cfg: ModelConfig, token_ids_BxCxK=None):
+  """probs @ embedding * sqrt(D), [B, C, D] in the compute dtype.
+
+  With `token_ids_BxCxK`, probs_BxCxK is a distribution over those K tokens only (a top-k
+  truncation): K embedding rows are gathered instead of a [V, D] matmul.
+  """
   table = params["embedding"]
-  probs = jax.nn.softmax(logits_BxCxV.astype(jnp.float32), axis=-1).astype(table.dtype)
-  soft = probs @ table
+  probs = probs_BxCxV.astype(table.dtype)
+  if token_ids_BxCxK is None:
+    soft = probs @ table
+  else:
+    soft = jnp.einsum("bck,bckd->bcd", probs, table[token_ids_BxCxK])
   return (soft * jnp.asarray(cfg.hidden_size ** 0.5, table.dtype)).astype(cfg.compute_dtype)
 
 
@@ -339,12 +351,14 @@ def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT
 
 
 def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_len_B=None,
-           self_cond_logits_BxCxV=None, self_cond_mask_B=None):
+           self_cond_logits_BxCxV=None, self_cond_mask_B=None, self_cond_embedding_BxCxD=None):
   """Bidirectional denoiser over a canvas; returns float32 logits [B, C, V].
 
   The canvas occupies positions prefix_len .. prefix_len + C - 1 and sees cached slots
   j < prefix_len that are valid (sliding layers: only the last window-1 of them). Self-
-  conditioning logits are optional; examples with `self_cond_mask_B` False get zeros.
+  conditioning logits are optional; examples with `self_cond_mask_B` False get zeros. A
+  precomputed `self_cond_embedding_BxCxD` (`soft_embedding` of the previous probabilities, as
+  the fused sampling step makes it) replaces the logits.
   `prefix_len_B` defaults to the cache end (sampling); training passes a per-example value.
   """
   b, c = canvas_BxC.shape
@@ -363,12 +377,14 @@ def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_le
 
   x = embed(params, canvas_BxC, cfg)
   sc = params["self_conditioning"]
-  if self_cond_logits_BxCxV is None:
-    soft = jnp.zeros_like(x)
-  else:
+  if self_cond_embedding_BxCxD is not None:
+    soft = self_cond_embedding_BxCxD.astype(x.dtype)
+  elif self_cond_logits_BxCxV is not None:
     soft = self_conditioning_embedding(params, self_cond_logits_BxCxV, cfg)
-    if self_cond_mask_B is not None:
-      soft = soft * self_cond_mask_B.astype(soft.dtype)[:, None, None]
+  else:
+    soft = jnp.zeros_like(x)
+  if self_cond_mask_B is not None:
+    soft = soft * self_cond_mask_B.astype(soft.dtype)[:, None, None]
   signal = gated_mlp(rms_norm(soft, sc["pre_norm"], cfg.rms_norm_eps), sc["gate"], sc["up"],
                      sc["down"])
   h = rms_norm(x + signal, None, cfg.rms_norm_eps)

@@ -50,6 +50,13 @@ class SamplerConfig:
   # Ids that end a row besides the model's eos_token_id (e.g. a chat model's end-of-turn), as
   # the reference's list-valued `eos_token_id`.
   stop_token_ids: tuple[int, ...] = ()
+  # Fused step: one pass over the tempered [C, V] distribution yields the draw, entropy, argmax
+  # and the next step's self-conditioning embedding, and the loop carries [B, C, D] embeddings
+  # instead of [B, C, V] logits. Same results as the unfused step (up to float rounding).
+  fused_step: bool = False
+  # Fused step only: truncate the tempered distribution to its top_k tokens (renormalised) for
+  # the draw, the entropy and the self-conditioning; 0 = off (the reference's semantics).
+  top_k: int = 0
 
   def __post_init__(self):
     if self.mode not in (DIFFUSION, AR):
@@ -65,6 +72,10 @@ class SamplerConfig:
       raise ValueError("max_new_tokens must be positive")
     if self.ar_temperature < 0:
       raise ValueError("ar_temperature must be >= 0")
+    if self.top_k < 0:
+      raise ValueError("top_k must be >= 0 (0 = no truncation)")
+    if self.top_k and not self.fused_step:
+      raise ValueError("top_k truncation needs fused_step=True")
     object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
 
   def replace(self, **kwargs: Any) -> "SamplerConfig":
@@ -87,10 +98,28 @@ def temperature(step_remaining, cfg: SamplerConfig):
 
 def token_entropy(logits_xV):
   """Entropy of softmax(logits) over the last axis, in float32; shape [...]."""
-  logp = jax.nn.log_softmax(logits_xV.astype(jnp.float32), axis=-1)
+  return _entropy(jax.nn.log_softmax(logits_xV.astype(jnp.float32), axis=-1))
+
+
+def _entropy(log_probs_xV):
   # As torch's Categorical: clamp -inf log-probs so 0 * log 0 contributes 0, not nan.
-  logp = jnp.maximum(logp, jnp.finfo(jnp.float32).min)
+  logp = jnp.maximum(log_probs_xV, jnp.finfo(jnp.float32).min)
   return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def sample_categorical(rng, log_probs_xV):
+  """One draw from exp(log_probs) over the last axis, by inverse CDF; int32 [...].
+
+  One uniform number per draw, as torch.multinomial, where jax.random.categorical (Gumbel-max)
+  draws and takes two logs of one per vocabulary entry: on CPU that cost more than everything
+  else in a denoising step outside the network.
+  """
+  cdf_xV = jnp.cumsum(jnp.exp(log_probs_xV), axis=-1)
+  u_x1 = jax.random.uniform(rng, cdf_xV.shape[:-1] + (1,), cdf_xV.dtype) * cdf_xV[..., -1:]
+  # The first entry whose cdf exceeds u (never a zero-probability one); the clamp guards
+  # against u rounding up to the total.
+  first_above = jnp.sum(cdf_xV <= u_x1, axis=-1)
+  return jnp.minimum(first_above, cdf_xV.shape[-1] - 1).astype(jnp.int32)
 
 
 def entropy_bounded_accept(entropy_BxC, bound: float):
@@ -113,16 +142,20 @@ def init_stability_history(batch: int, canvas_length: int, cfg: SamplerConfig):
   return jnp.full((cfg.stability_threshold, batch, canvas_length), -1, jnp.int32)
 
 
-def stable_and_confident(history_SxBxC, argmax_BxC, tempered_logits_BxCxV, cfg: SamplerConfig):
+def stable_and_confident(history_SxBxC, argmax_BxC, tempered_logits_BxCxV, cfg: SamplerConfig,
+                         entropy_BxC=None):
   """Adaptive stop: (stop_B, new history).
 
   stable: the new argmax canvas equals each of the last S ones (always true when S = 0);
   confident: mean over positions of the tempered-logit entropy < confidence_threshold.
+  `entropy_BxC`, when given, is that entropy (the logits are then not read).
   """
   stable_B = jnp.all(history_SxBxC == argmax_BxC[None], axis=(0, 2))
   if cfg.stability_threshold > 0:
     history_SxBxC = jnp.concatenate([history_SxBxC[1:], argmax_BxC[None]], axis=0)
-  mean_entropy_B = jnp.mean(token_entropy(tempered_logits_BxCxV), axis=-1)
+  if entropy_BxC is None:
+    entropy_BxC = token_entropy(tempered_logits_BxCxV)
+  mean_entropy_B = jnp.mean(entropy_BxC, axis=-1)
   return stable_B & (mean_entropy_B < cfg.confidence_threshold), history_SxBxC
 
 
@@ -161,7 +194,9 @@ class DenoiseState(NamedTuple):
 
   canvas_BxC: the noisy canvas fed to the next decoder pass.
   argmax_BxC: argmax of the last tempered logits (the canvas that gets committed).
-  self_cond_BxCxV: the last tempered logits in the embedding dtype (self-conditioning input).
+  self_cond_BxCxV: the last tempered logits in the embedding dtype (self-conditioning input);
+    [B, C, 0] with `fused_step`, which carries instead
+  self_cond_embedding_BxCxD: the next step's self-conditioning embedding ([B, C, 0] unfused).
   history_SxBxC: argmax canvases for the stability test.
   finished_B: rows that stopped (or never needed to run); they are frozen.
   step: denoising steps taken so far (scalar int32); step remaining n = N - step.
@@ -170,6 +205,7 @@ class DenoiseState(NamedTuple):
   canvas_BxC: jax.Array
   argmax_BxC: jax.Array
   self_cond_BxCxV: jax.Array
+  self_cond_embedding_BxCxD: jax.Array
   history_SxBxC: jax.Array
   finished_B: jax.Array
   step: jax.Array
@@ -194,7 +230,11 @@ def init_denoise_state(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfi
   return DenoiseState(
       canvas_BxC=canvas_BxC,
       argmax_BxC=canvas_BxC,
-      self_cond_BxCxV=jnp.zeros((batch, c, v), params["embedding"].dtype),
+      self_cond_BxCxV=jnp.zeros((batch, c, 0 if sampler_cfg.fused_step else v),
+                                params["embedding"].dtype),
+      self_cond_embedding_BxCxD=jnp.zeros(
+          (batch, c, model_cfg.hidden_size if sampler_cfg.fused_step else 0),
+          model_cfg.compute_dtype),
       history_SxBxC=init_stability_history(batch, c, sampler_cfg),
       finished_B=finished_B,
       step=jnp.zeros((), jnp.int32))
@@ -209,6 +249,8 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
   bounded low-entropy positions and renoise the rest with fresh uniform tokens; rows already
   finished keep canvas, argmax and self-conditioning; then finished |= stable & confident.
   """
+  if sampler_cfg.fused_step:
+    return _fused_denoising_step(params, model_cfg, sampler_cfg, cache, state, rng)
   b, c = state.canvas_BxC.shape
   sample_key, noise_key = jax.random.split(rng)
   sc_mask_B = jnp.broadcast_to(state.step > 0, (b,))
@@ -216,9 +258,12 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
                               state.self_cond_BxCxV, sc_mask_B)
   tempered_BxCxV = logits_BxCxV / temperature(sampler_cfg.max_denoising_steps - state.step,
                                               sampler_cfg)
-  sampled_BxC = jax.random.categorical(sample_key, tempered_BxCxV, axis=-1).astype(jnp.int32)
+  # One log-softmax serves the draw, the acceptance and the stopping test.
+  log_probs_BxCxV = jax.nn.log_softmax(tempered_BxCxV, axis=-1)
+  entropy_BxC = _entropy(log_probs_BxCxV)
+  sampled_BxC = sample_categorical(sample_key, log_probs_BxCxV)
   argmax_BxC = jnp.argmax(tempered_BxCxV, axis=-1).astype(jnp.int32)
-  accepted_BxC = entropy_bounded_accept(token_entropy(tempered_BxCxV), sampler_cfg.entropy_bound)
+  accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound)
   noise_BxC = jax.random.randint(noise_key, (b, c), 0, model_cfg.vocab_size, jnp.int32)
   canvas_BxC = jnp.where(accepted_BxC, sampled_BxC, noise_BxC)
 
@@ -228,15 +273,69 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
   # Finished rows are judged (and self-conditioned) on their previous logits, as the reference.
   stop_logits_BxCxV = jnp.where(frozen_B[:, None, None],
                                 state.self_cond_BxCxV.astype(jnp.float32), tempered_BxCxV)
+  # A finished row stays finished whatever its stop test says, so the new entropy serves all.
   stop_B, history_SxBxC = stable_and_confident(state.history_SxBxC, argmax_BxC,
-                                               stop_logits_BxCxV, sampler_cfg)
+                                               stop_logits_BxCxV, sampler_cfg, entropy_BxC)
   new_state = DenoiseState(
       canvas_BxC=canvas_BxC,
       argmax_BxC=argmax_BxC,
       self_cond_BxCxV=stop_logits_BxCxV.astype(state.self_cond_BxCxV.dtype),
+      self_cond_embedding_BxCxD=state.self_cond_embedding_BxCxD,
       history_SxBxC=history_SxBxC,
       finished_B=frozen_B | stop_B,
       step=state.step + 1)
+  return new_state, StepOutput(~frozen_B, accepted_BxC & ~frozen_B[:, None], tempered_BxCxV)
+
+
+def fused_sample(params, model_cfg: ModelConfig, tempered_BxCxV, rng, top_k: int = 0):
+  """Everything a step needs from the tempered logits, from one softmax of them.
+
+  Returns (sampled_BxC, argmax_BxC, entropy_BxC, self_cond_embedding_BxCxD). With top_k > 0 the
+  distribution is truncated to the top_k logits and renormalised: the draw, the entropy and the
+  embedding (top_k gathered rows instead of a [V, D] matmul) all use the truncated one; the
+  argmax is unchanged.
+  """
+  if top_k:
+    top_logits_BxCxK, top_ids_BxCxK = jax.lax.top_k(tempered_BxCxV, top_k)
+    log_probs_BxCxK = jax.nn.log_softmax(top_logits_BxCxK, axis=-1)
+    choice_BxC = sample_categorical(rng, log_probs_BxCxK)
+    sampled_BxC = jnp.take_along_axis(top_ids_BxCxK, choice_BxC[..., None], -1)[..., 0]
+    return (sampled_BxC.astype(jnp.int32), top_ids_BxCxK[..., 0].astype(jnp.int32),
+            _entropy(log_probs_BxCxK),
+            model.soft_embedding(params, jnp.exp(log_probs_BxCxK), model_cfg, top_ids_BxCxK))
+  log_probs_BxCxV = jax.nn.log_softmax(tempered_BxCxV, axis=-1)
+  return (sample_categorical(rng, log_probs_BxCxV),
+          jnp.argmax(tempered_BxCxV, axis=-1).astype(jnp.int32), _entropy(log_probs_BxCxV),
+          model.soft_embedding(params, jnp.exp(log_probs_BxCxV), model_cfg))
+
+
+def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
+                          state: DenoiseState, rng) -> tuple[DenoiseState, StepOutput]:
+  """`denoising_step` with `fused_sample`: same semantics, self-conditioning carried as the
+  [B, C, D] embedding, and the [C, V] probabilities computed once."""
+  b, c = state.canvas_BxC.shape
+  sample_key, noise_key = jax.random.split(rng)
+  sc_mask_B = jnp.broadcast_to(state.step > 0, (b,))
+  logits_BxCxV = model.decode(params, model_cfg, state.canvas_BxC, cache, None, None, sc_mask_B,
+                              state.self_cond_embedding_BxCxD)
+  tempered_BxCxV = logits_BxCxV / temperature(sampler_cfg.max_denoising_steps - state.step,
+                                              sampler_cfg)
+  sampled_BxC, argmax_BxC, entropy_BxC, embedding_BxCxD = fused_sample(
+      params, model_cfg, tempered_BxCxV, sample_key, sampler_cfg.top_k)
+  accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound)
+  noise_BxC = jax.random.randint(noise_key, (b, c), 0, model_cfg.vocab_size, jnp.int32)
+  canvas_BxC = jnp.where(accepted_BxC, sampled_BxC, noise_BxC)
+  frozen_B = state.finished_B
+  argmax_BxC = jnp.where(frozen_B[:, None], state.argmax_BxC, argmax_BxC)
+  canvas_BxC = jnp.where(frozen_B[:, None], state.canvas_BxC, canvas_BxC)
+  embedding_BxCxD = jnp.where(frozen_B[:, None, None], state.self_cond_embedding_BxCxD,
+                              embedding_BxCxD.astype(state.self_cond_embedding_BxCxD.dtype))
+  # A finished row stays finished whatever its stop test says (see denoising_step).
+  stop_B, history_SxBxC = stable_and_confident(state.history_SxBxC, argmax_BxC, None,
+                                               sampler_cfg, entropy_BxC)
+  new_state = state._replace(
+      canvas_BxC=canvas_BxC, argmax_BxC=argmax_BxC, self_cond_embedding_BxCxD=embedding_BxCxD,
+      history_SxBxC=history_SxBxC, finished_B=frozen_B | stop_B, step=state.step + 1)
   return new_state, StepOutput(~frozen_B, accepted_BxC & ~frozen_B[:, None], tempered_BxCxV)
 
 
