@@ -49,7 +49,8 @@ def get_config():
   # Sampler (report Table 2 defaults; diffgemma.sampler.SamplerConfig).
   c.sampler = ml_collections.ConfigDict(dict(
       max_denoising_steps=48, entropy_bound=0.1, t_max=0.8, t_min=0.4,
-      confidence_threshold=0.005, stability_threshold=1, max_new_tokens=81, mode="diffusion"))
+      confidence_threshold=0.005, stability_threshold=1, max_new_tokens=81, mode="diffusion",
+      fused_step=False, top_k=0))
 
   # Periodic evaluation on held-out generated puzzles (seed differs from training data).
   c.eval = ml_collections.ConfigDict(dict(
