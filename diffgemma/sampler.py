@@ -263,13 +263,9 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
   entropy_BxC = _entropy(log_probs_BxCxV)
   sampled_BxC = sample_categorical(sample_key, log_probs_BxCxV)
   argmax_BxC = jnp.argmax(tempered_BxCxV, axis=-1).astype(jnp.int32)
-  accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound)
-  noise_BxC = jax.random.randint(noise_key, (b, c), 0, model_cfg.vocab_size, jnp.int32)
-  canvas_BxC = jnp.where(accepted_BxC, sampled_BxC, noise_BxC)
-
+  canvas_BxC, argmax_BxC, accepted_BxC = _accept_and_renoise(
+      state, sampled_BxC, argmax_BxC, entropy_BxC, noise_key, model_cfg, sampler_cfg)
   frozen_B = state.finished_B
-  argmax_BxC = jnp.where(frozen_B[:, None], state.argmax_BxC, argmax_BxC)
-  canvas_BxC = jnp.where(frozen_B[:, None], state.canvas_BxC, canvas_BxC)
   # Finished rows are judged (and self-conditioned) on their previous logits, as the reference.
   stop_logits_BxCxV = jnp.where(frozen_B[:, None, None],
                                 state.self_cond_BxCxV.astype(jnp.float32), tempered_BxCxV)
@@ -285,6 +281,19 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
       finished_B=frozen_B | stop_B,
       step=state.step + 1)
   return new_state, StepOutput(~frozen_B, accepted_BxC & ~frozen_B[:, None], tempered_BxCxV)
+
+
+def _accept_and_renoise(state: DenoiseState, sampled_BxC, argmax_BxC, entropy_BxC, noise_key,
+                        model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
+  """Keep the entropy-bounded accepted draws, renoise the rest with uniform tokens; finished
+  rows keep their canvas and argmax. Returns (canvas_BxC, argmax_BxC, accepted_BxC)."""
+  accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound)
+  noise_BxC = jax.random.randint(noise_key, sampled_BxC.shape, 0, model_cfg.vocab_size,
+                                 jnp.int32)
+  canvas_BxC = jnp.where(accepted_BxC, sampled_BxC, noise_BxC)
+  frozen_Bx1 = state.finished_B[:, None]
+  return (jnp.where(frozen_Bx1, state.canvas_BxC, canvas_BxC),
+          jnp.where(frozen_Bx1, state.argmax_BxC, argmax_BxC), accepted_BxC)
 
 
 def fused_sample(params, model_cfg: ModelConfig, tempered_BxCxV, rng, top_k: int = 0):
@@ -322,12 +331,9 @@ def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerCo
                                               sampler_cfg)
   sampled_BxC, argmax_BxC, entropy_BxC, embedding_BxCxD = fused_sample(
       params, model_cfg, tempered_BxCxV, sample_key, sampler_cfg.top_k)
-  accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound)
-  noise_BxC = jax.random.randint(noise_key, (b, c), 0, model_cfg.vocab_size, jnp.int32)
-  canvas_BxC = jnp.where(accepted_BxC, sampled_BxC, noise_BxC)
+  canvas_BxC, argmax_BxC, accepted_BxC = _accept_and_renoise(
+      state, sampled_BxC, argmax_BxC, entropy_BxC, noise_key, model_cfg, sampler_cfg)
   frozen_B = state.finished_B
-  argmax_BxC = jnp.where(frozen_B[:, None], state.argmax_BxC, argmax_BxC)
-  canvas_BxC = jnp.where(frozen_B[:, None], state.canvas_BxC, canvas_BxC)
   embedding_BxCxD = jnp.where(frozen_B[:, None, None], state.self_cond_embedding_BxCxD,
                               embedding_BxCxD.astype(state.self_cond_embedding_BxCxD.dtype))
   # A finished row stays finished whatever its stop test says (see denoising_step).
