@@ -103,8 +103,8 @@ def _load_hf(path, config, dtype, shardings, rng, log, overrides):
   self_conditioning = None
   if source == hf_weights.GEMMA4:
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    self_conditioning = _place_tree(model.init_self_conditioning(cfg, rng),
-                                    _subtree(shardings, "self_conditioning"))
+    self_conditioning = _place_tree(model.init_self_conditioning(cfg, rng), shardings,
+                                    prefix=("self_conditioning",))
     log(f"note: {path} is a Gemma 4 AR checkpoint: backbone loaded, self-conditioning block "
         "freshly initialised")
   params = hf_weights.params_from_hf(
@@ -230,11 +230,12 @@ def _place(arr: np.ndarray, sharding):
   return jax.make_array_from_callback(arr.shape, sharding, lambda index: arr[index])
 
 
-def _place_tree(tree, shardings):
+def _place_tree(tree, shardings, prefix: tuple = ()):
+  """device_put each leaf onto the sharding at prefix + its path (no-op without shardings)."""
   if shardings is None:
     return tree
   return jax.tree_util.tree_map_with_path(
-      lambda p, x: jax.device_put(x, _sharding_at(shardings, _path_keys(p))), tree)
+      lambda p, x: jax.device_put(x, _sharding_at(shardings, prefix + _path_keys(p))), tree)
 
 
 def _sharding_at(shardings, path):
@@ -245,12 +246,6 @@ def _sharding_at(shardings, path):
   for key in path:
     shardings = shardings[key]
   return shardings
-
-
-def _subtree(shardings, key):
-  if shardings is None or callable(shardings):
-    return (lambda path: shardings((key,) + tuple(path))) if callable(shardings) else None
-  return shardings[key]
 
 
 def _path_keys(path) -> tuple:

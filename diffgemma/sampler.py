@@ -251,7 +251,7 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
   """
   if sampler_cfg.fused_step:
     return _fused_denoising_step(params, model_cfg, sampler_cfg, cache, state, rng)
-  b, c = state.canvas_BxC.shape
+  b = state.canvas_BxC.shape[0]
   sample_key, noise_key = jax.random.split(rng)
   sc_mask_B = jnp.broadcast_to(state.step > 0, (b,))
   logits_BxCxV = model.decode(params, model_cfg, state.canvas_BxC, cache, None,
@@ -322,7 +322,7 @@ def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerCo
                           state: DenoiseState, rng) -> tuple[DenoiseState, StepOutput]:
   """`denoising_step` with `fused_sample`: same semantics, self-conditioning carried as the
   [B, C, D] embedding, and the [C, V] probabilities computed once."""
-  b, c = state.canvas_BxC.shape
+  b = state.canvas_BxC.shape[0]
   sample_key, noise_key = jax.random.split(rng)
   sc_mask_B = jnp.broadcast_to(state.step > 0, (b,))
   logits_BxCxV = model.decode(params, model_cfg, state.canvas_BxC, cache, None, None, sc_mask_B,
