@@ -29,17 +29,16 @@ _BATCH = flags.DEFINE_integer("batch_size", None, "Override the batch size.")
 
 def time_training(config, steps: int) -> float:
   """Seconds per training step after one compile step."""
-  model_cfg, loss_cfg = trainer.model_config(config), trainer.loss_config(config)
-  tx, schedule = trainer.make_optimizer(config)
-  state = trainer.init_state(config, model_cfg, tx)
-  step_fn = trainer.make_train_step(model_cfg, loss_cfg, tx, schedule)
+  setup = trainer.make_setup(config)
+  state = trainer.init_state(config, setup)
+  step_fn = trainer.make_train_step(setup)
   batches = data.train_batches(config.data, config.batch_size, steps + 1)
   batch_list = [next(batches) for _ in range(steps + 1)]
-  state, metrics = step_fn(state, batch_list[0])
+  state, metrics = step_fn(state, None, batch_list[0])
   jax.block_until_ready(metrics)
   start = time.perf_counter()
   for batch in batch_list[1:]:
-    state, metrics = step_fn(state, batch)
+    state, metrics = step_fn(state, None, batch)
   jax.block_until_ready(metrics)
   return (time.perf_counter() - start) / steps
 
@@ -79,8 +78,7 @@ def main(argv):
     params, model_cfg, sampler_cfg = run.params, run.model_cfg, run.sampler_cfg
   else:
     model_cfg, sampler_cfg = trainer.model_config(config), trainer.sampler_config(config)
-    tx, _ = trainer.make_optimizer(config)
-    params = trainer.init_state(config, model_cfg, tx)["params"]
+    params = trainer.init_state(config, trainer.make_setup(config))["params"]
   puzzles, _ = sudoku.generate_puzzles(7, config.eval.batch_size, config.eval.min_givens,
                                        config.eval.max_givens)
   prompt_format = config.data.prompt_format

@@ -8,6 +8,8 @@ import dataclasses
 import ml_collections
 
 from diffgemma.config import ModelConfig
+from diffgemma.lora import LoraConfig
+from diffgemma.sharding import ShardingConfig
 
 
 def get_config():
@@ -36,6 +38,16 @@ def get_config():
       encoder_weight=0.0, decoder_weight=1.0, encoder_loss_on_prompt=False,
       noise_schedule="linear", t_eps=1e-3, self_conditioning_prob=0.5,
       decoder_weighting="flat"))
+
+  c.grad_accum_steps = 1  # split each batch into this many micro-batches (same result, less memory)
+  c.freeze_router = False  # NeMo's SFT default is True: no router updates (LoRA: no router adapter)
+
+  # LoRA (diffgemma.lora.LoraConfig): off here; see configs/sft_sudoku_lora*.py.
+  c.lora = ml_collections.ConfigDict(dataclasses.asdict(LoraConfig()))
+
+  # Device mesh and logical axis rules (diffgemma.sharding.ShardingConfig): fsdp=-1 spreads the
+  # batch and the weights over all local devices (one CPU: nothing to split).
+  c.sharding = ml_collections.ConfigDict(dataclasses.asdict(ShardingConfig()))
 
   c.optimizer = ml_collections.ConfigDict(dict(
       lr=3e-3, warmup_steps=50, schedule="cosine", end_lr_fraction=0.05, weight_decay=0.01,

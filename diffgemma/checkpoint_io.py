@@ -77,7 +77,7 @@ def load_model(path: str, dtype: str | None = None, shardings=None, rng=None,
   if kind == WORKDIR:
     from diffgemma import runs  # local: runs imports the trainer
 
-    run = runs.load_run(path)
+    run = runs.load_run(path)  # a LoRA run's adapters come merged into its base
     cfg = run.model_cfg.replace(**overrides)
     params = run.params
     if dtype is not None:
@@ -88,6 +88,29 @@ def load_model(path: str, dtype: str | None = None, shardings=None, rng=None,
   if kind == ORBAX:
     return _load_orbax(path, config, dtype, shardings, overrides)
   return _load_hf(path, config, dtype, shardings, rng, log, overrides)
+
+
+def read_model_config(path: str, dtype: str | None = None, **overrides: Any) -> ModelConfig:
+  """The ModelConfig of a checkpoint directory of any kind, without reading weights (to plan
+  the parameters' shardings before `load_model` places them)."""
+  kind = directory_kind(path)
+  if kind == WORKDIR:
+    from diffgemma import checkpointing, trainer  # local: the trainer imports us
+
+    cfg = trainer.model_config(checkpointing.load_config(path))
+  elif kind == ORBAX:
+    cfg = _orbax_model_config(path, _read_json(os.path.join(path, CONFIG_FILE)))
+  else:
+    config = _read_json(os.path.join(path, CONFIG_FILE))
+    cfg = hf_weights.config_from_hf(config, param_dtype=dtype or "float32", **overrides)
+  return cfg.replace(**({"param_dtype": dtype} if dtype else {}), **overrides)
+
+
+def _orbax_model_config(path: str, config: dict) -> ModelConfig:
+  try:
+    return ModelConfig(**{**config["model"], "layer_types": tuple(config["model"]["layer_types"])})
+  except (KeyError, TypeError) as e:
+    raise CheckpointFormatError(f"{os.path.join(path, CONFIG_FILE)} is malformed: {e}") from None
 
 
 def _load_hf(path, config, dtype, shardings, rng, log, overrides):
@@ -117,10 +140,7 @@ def _load_hf(path, config, dtype, shardings, rng, log, overrides):
 def _load_orbax(path, config, dtype, shardings, overrides):
   import orbax.checkpoint as ocp
 
-  try:
-    cfg = ModelConfig(**{**config["model"], "layer_types": tuple(config["model"]["layer_types"])})
-  except (KeyError, TypeError) as e:
-    raise CheckpointFormatError(f"{os.path.join(path, CONFIG_FILE)} is malformed: {e}") from None
+  cfg = _orbax_model_config(path, config)
   stored = model.abstract_params(cfg)
   target_dtype = jnp.dtype(dtype) if dtype else None
 

@@ -14,11 +14,13 @@ FULL = "full_attention"
 
 # Gemma 4's default layer pattern: five sliding-window layers, then one full layer.
 SLIDING_PATTERN_PERIOD = 6
-MOE_IMPLS = ("ragged_dot", "tiled", "pallas")
+MOE_IMPLS = ("ragged_dot", "tiled", "tiled_scan", "pallas")
 ATTENTION_IMPLS = ("xla", "pallas")
 # Fields that say how to compute, not what the model is: a run that starts from a checkpoint
 # takes the architecture from the checkpoint and these from its own config.
-NUMERICS_FIELDS = ("param_dtype", "compute_dtype", "moe_impl", "moe_tile_size", "attention_impl")
+NUMERICS_FIELDS = ("param_dtype", "compute_dtype", "moe_impl", "moe_tile_size", "attention_impl",
+                   "remat")
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:
@@ -65,11 +67,17 @@ class ModelConfig:
   qk_norm_init: float = 1.0
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
-  moe_impl: str = "ragged_dot"  # "tiled": exact, faster on CPU; "pallas": the grouped kernel
+  # "tiled": exact, faster on CPU; "tiled_scan": tiles in a loop, least memory; "pallas": the
+  # grouped kernel.
+  moe_impl: str = "ragged_dot"
   moe_tile_size: int = 128  # rows per tile for moe_impl="tiled"
   # "xla": a materialised mask and two einsums; "pallas": the flash-style canvas-attention
   # kernel (diffgemma/kernels/attention.py; interpret mode on CPU, slow there).
   attention_impl: str = "xla"
+  # Activation rematerialisation per layer in training: "none" keeps every activation for the
+  # backward pass; "full" keeps only each layer's input and recomputes the rest; "dots" also
+  # keeps matmul outputs without batch dimensions (jax.checkpoint_policies).
+  remat: str = "none"
 
   def __post_init__(self):
     if not self.layer_types:
@@ -87,6 +95,8 @@ class ModelConfig:
       raise ValueError("top_k_experts exceeds num_experts")
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"unknown moe_impl {self.moe_impl!r}; choose one of {MOE_IMPLS}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"unknown remat {self.remat!r}; choose one of {REMAT_POLICIES}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"unknown attention_impl {self.attention_impl!r}; choose one of "
                        f"{ATTENTION_IMPLS}")

@@ -57,11 +57,29 @@ def tokens_to_digits(tokens_Nx81) -> np.ndarray:
   return np.where((digits >= 1) & (digits <= sudoku.SIZE), digits, 0).astype(np.int8)
 
 
-def sudoku_example(record: dict, prompt_format: str) -> dict:
-  """One training sequence from {"puzzle", "solution"}: tokens, valid and loss mask [162]."""
-  tokens = np.concatenate([puzzle_tokens(record["puzzle"], prompt_format),
-                           solution_tokens(record["solution"])])
-  loss_mask = np.arange(PROMPT_LEN + CANVAS_LEN) >= PROMPT_LEN
+def response_len(canvas_len: int) -> int:
+  """Length of the response part of a sequence for a model with this canvas length.
+
+  A canvas that tiles the 81 solution digits exactly (81, 27, 9, ...) holds just the digits;
+  any other canvas length gets the digits, EOS, then PAD up to a whole number of canvases (as
+  the released 256-token-canvas model sees a short answer).
+  """
+  if canvas_len < 1:
+    raise ValueError(f"canvas_length must be >= 1, got {canvas_len}")
+  if CANVAS_LEN % canvas_len == 0:
+    return CANVAS_LEN
+  return -(-(CANVAS_LEN + 1) // canvas_len) * canvas_len
+
+
+def sudoku_example(record: dict, prompt_format: str, canvas_len: int = CANVAS_LEN) -> dict:
+  """One training sequence from {"puzzle", "solution"}: tokens, valid and loss mask
+  [81 + response_len(canvas_len)]; the loss covers the whole response (digits, EOS, PAD)."""
+  answer = solution_tokens(record["solution"])
+  fill = response_len(canvas_len) - CANVAS_LEN
+  if fill:
+    answer = np.concatenate([answer, [EOS], np.full(fill - 1, PAD)])
+  tokens = np.concatenate([puzzle_tokens(record["puzzle"], prompt_format), answer])
+  loss_mask = np.arange(len(tokens)) >= PROMPT_LEN
   return {"tokens": tokens.astype(np.int32), "valid": np.ones_like(loss_mask),
           "loss_mask": loss_mask}
 
@@ -106,19 +124,27 @@ class CurriculumSudokuSource:
             f"num_steps={self.num_steps}, curriculum={self.curriculum})")
 
 
-def train_batches(data_cfg, batch_size: int, num_steps: int, start_step: int = 0):
+def train_batches(data_cfg, batch_size: int, num_steps: int, start_step: int = 0,
+                  canvas_len: int = CANVAS_LEN, process_index: int = 0, process_count: int = 1):
   """Iterator of training batches for steps start_step .. num_steps-1 (dicts of [B, L] arrays).
 
   The data position is the step: batch s is records [s*B, (s+1)*B) of a deterministic source,
-  so a resumed run sees exactly the batches it would have seen.
+  so a resumed run sees exactly the batches it would have seen. On several hosts, process i
+  gets rows [i*B/n, (i+1)*B/n) of each global batch.
   """
+  if batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
+  local = batch_size // process_count
   curriculum = GivensCurriculum(
       data_cfg.start_min_givens, data_cfg.start_max_givens, data_cfg.min_givens,
       data_cfg.max_givens, data_cfg.curriculum_steps)
   source = CurriculumSudokuSource(data_cfg.seed, batch_size, num_steps, curriculum)
-  dataset = (grain.MapDataset.source(source)[start_step * batch_size:]
-             .map(functools.partial(sudoku_example, prompt_format=data_cfg.prompt_format))
-             .batch(batch_size, drop_remainder=True))
+  rows = np.arange(start_step * batch_size, num_steps * batch_size).reshape(-1, batch_size)
+  rows = rows[:, process_index * local:(process_index + 1) * local].reshape(-1)
+  dataset = (grain.MapDataset.range(len(rows)).map(lambda i: source[int(rows[i])])
+             .map(functools.partial(sudoku_example, prompt_format=data_cfg.prompt_format,
+                                    canvas_len=canvas_len))
+             .batch(local, drop_remainder=True))
   # Puzzle generation is Python; worker threads overlap it with the jitted step.
   read = grain.ReadOptions(num_threads=data_cfg.num_threads, prefetch_buffer_size=data_cfg.prefetch)
   return iter(dataset.to_iter_dataset(read))

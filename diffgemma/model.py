@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffgemma import lora, sharding
 from diffgemma.config import SLIDING, ModelConfig
 
 Params = dict[str, Any]
@@ -53,8 +54,21 @@ def gelu_tanh(x):
   return jax.nn.gelu(x, approximate=True)
 
 
+def linear(x, w, num_in_axes: int = 1):
+  """The model's one linear map: x[..., in...] contracted with w[in..., out...].
+
+  `w` is an array (cast to x's dtype) or a `lora.LoraWeight`, computed as
+  x @ W + scale * (dropout(x) @ A) @ B without forming W + A @ B.
+  """
+  if isinstance(w, lora.LoraWeight):
+    low_rank = jnp.tensordot(w.low_rank_input(x), w.a.astype(x.dtype), num_in_axes)
+    return (linear(x, w.base, num_in_axes)
+            + jnp.asarray(w.scale, x.dtype) * jnp.tensordot(low_rank, w.b.astype(x.dtype), 1))
+  return jnp.tensordot(x, w.astype(x.dtype), num_in_axes)
+
+
 def gated_mlp(x, gate, up, down):
-  return (gelu_tanh(x @ gate.astype(x.dtype)) * (x @ up.astype(x.dtype))) @ down.astype(x.dtype)
+  return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
 
 
 def rope_inv_freq(cfg: ModelConfig, layer_type: str) -> jnp.ndarray:
@@ -121,7 +135,9 @@ def attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, spec_and_mask, cfg: ModelConfig):
   """Attention by `cfg.attention_impl`: the XLA reference or the Pallas canvas kernel."""
   spec, mask_BxTxS = spec_and_mask
   if cfg.attention_impl == "pallas":
-    from diffgemma.kernels import attention as attention_kernel  # local: the kernel imports us
+    from diffgemma.kernels import (
+      attention as attention_kernel,  # local: the kernel imports us
+    )
 
     return attention_kernel.canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, *spec[:4],
                                              spec.window)
@@ -150,7 +166,7 @@ def route(x_NxD, router: Params, cfg: ModelConfig):
   """Gemma 4 router: top-k of a float32 softmax, renormalised, times the per-expert scale."""
   h = rms_norm(x_NxD, None, cfg.rms_norm_eps)
   h = h * router["scale"].astype(h.dtype) * jnp.asarray(cfg.hidden_size ** -0.5, h.dtype)
-  probs = jax.nn.softmax((h @ router["proj"].astype(h.dtype)).astype(jnp.float32), axis=-1)
+  probs = jax.nn.softmax(linear(h, router["proj"]).astype(jnp.float32), axis=-1)
   weights, index = jax.lax.top_k(probs, cfg.top_k_experts)
   weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   weights = weights * router["per_expert_scale"][index].astype(jnp.float32)
@@ -162,56 +178,135 @@ def moe(x_NxD, weights_Nxk, index_Nxk, experts: Params, cfg: ModelConfig):
 
   `cfg.moe_impl` picks the grouped matmul: "ragged_dot" (jax.lax.ragged_dot), "tiled" (each
   expert's rows padded to whole tiles, one batched matmul over tiles with the tile's expert
-  weights; exact, and much faster than ragged_dot on CPU) or "pallas" (the grouped kernel in
+  weights; exact, and much faster than ragged_dot on CPU), "tiled_scan" (the same tiles one at
+  a time in a lax.scan: one expert's weights in memory instead of a gather as large as all of
+  them; for large models) or "pallas" (the grouped kernel in
   diffgemma/kernels/moe.py with fused gate/up and the combine weights in its epilogue).
+  Expert weights may be `lora.LoraWeight`s (per-expert adapters): see `expert_matmul`.
   """
   n, d = x_NxD.shape
   top_k = index_Nxk.shape[1]
-  num_experts = experts["gate_up"].shape[0]
+  num_experts = _array(experts["gate_up"]).shape[0]
   flat_expert_M = index_Nxk.reshape(-1)
   order_M = jnp.argsort(flat_expert_M, stable=True)
   token_M = order_M // top_k
   group_sizes_E = jnp.bincount(flat_expert_M, length=num_experts).astype(jnp.int32)
   x_MxD = x_NxD[token_M]
-  gate_up_w = experts["gate_up"].astype(x_NxD.dtype)
-  down_w = experts["down"].astype(x_NxD.dtype)
   # Combine weights are applied per assignment, then scattered back: nothing of size E x N.
   row_weights_M = weights_Nxk.reshape(-1)[order_M]
   if cfg.moe_impl == "pallas":
     from diffgemma.kernels import moe as moe_kernel  # local: Pallas only when asked for
 
+    # The fused kernel takes plain weights: adapters are folded in, one layer at a time.
+    gate_up_w, down_w = (w.merged(x_NxD.dtype) if isinstance(w, lora.LoraWeight)
+                         else w.astype(x_NxD.dtype)
+                         for w in (experts["gate_up"], experts["down"]))
     # The kernel applies the combine weights in its down-projection epilogue.
     y_MxD = moe_kernel.expert_mlp(x_MxD, group_sizes_E, gate_up_w, down_w, row_weights_M)
   else:
-    if cfg.moe_impl == "ragged_dot":
-      gate, up = jnp.split(jax.lax.ragged_dot(x_MxD, gate_up_w, group_sizes_E), 2, axis=-1)
-      y_MxD = jax.lax.ragged_dot(gelu_tanh(gate) * up, down_w, group_sizes_E)
-    else:
-      y_MxD = _tiled_expert_mlp(x_MxD, group_sizes_E, gate_up_w, down_w, cfg.moe_tile_size)
+    groups = ExpertGroups.make(group_sizes_E, x_MxD.shape[0], cfg)
+    x_rows = groups.to_rows(x_MxD)
+    gate, up = jnp.split(expert_matmul(x_rows, experts["gate_up"], groups), 2, axis=-1)
+    y_MxD = groups.from_rows(expert_matmul(gelu_tanh(gate) * up, experts["down"], groups))
     y_MxD = y_MxD * row_weights_M[:, None].astype(y_MxD.dtype)
   return jnp.zeros((n, d), y_MxD.dtype).at[token_M].add(y_MxD)
 
 
-def _tiled_expert_mlp(x_MxD, group_sizes_E, gate_up_ExDx2I, down_ExIxD, tile: int):
-  """Expert MLP on rows sorted by expert: each group is padded to a multiple of `tile` rows, so
-  every tile belongs to one expert; the padded layout has a static bound of
-  (ceil(M / tile) + E) tiles."""
-  m, d = x_MxD.shape
-  num_experts = group_sizes_E.shape[0]
-  tile = min(tile, max(m, 1))
-  num_tiles = -(-m // tile) + num_experts
-  padded_sizes_E = -(-group_sizes_E // tile) * tile
-  padded_end_E = jnp.cumsum(padded_sizes_E)
-  group_start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-  expert_M = jnp.repeat(jnp.arange(num_experts), group_sizes_E, total_repeat_length=m)
-  row_M = (padded_end_E - padded_sizes_E)[expert_M] + jnp.arange(m) - group_start_E[expert_M]
-  tile_expert_T = jnp.minimum(
-      jnp.searchsorted(padded_end_E, jnp.arange(num_tiles) * tile, side="right"), num_experts - 1)
-  x_TxtxD = jnp.zeros((num_tiles * tile, d), x_MxD.dtype).at[row_M].set(x_MxD).reshape(
-      num_tiles, tile, d)
-  gate, up = jnp.split(jnp.einsum("ntd,ndf->ntf", x_TxtxD, gate_up_ExDx2I[tile_expert_T]), 2, -1)
-  y = jnp.einsum("ntf,nfd->ntd", gelu_tanh(gate) * up, down_ExIxD[tile_expert_T])
-  return y.reshape(num_tiles * tile, d)[row_M]
+def _array(w):
+  return w.base if isinstance(w, lora.LoraWeight) else w
+
+
+class ExpertGroups(NamedTuple):
+  """How rows sorted by expert meet their expert's weights.
+
+  "ragged_dot": rows stay [M, ...] and `group_sizes_E` says which expert owns which run.
+  "tiled": each group is padded to a multiple of `tile` rows, so every tile of the padded
+  [tiles, tile, ...] layout belongs to one expert (`tile_expert_T`); the layout has a static
+  bound of ceil(M / tile) + E tiles.
+  """
+  group_sizes_E: jnp.ndarray
+  tile_expert_T: jnp.ndarray | None = None
+  row_M: jnp.ndarray | None = None  # padded-row index of each sorted row (tiled only)
+  tile: int = 0
+  one_tile_at_a_time: bool = False  # "tiled_scan": a lax.scan over tiles
+
+  @classmethod
+  def make(cls, group_sizes_E, m: int, cfg: ModelConfig) -> ExpertGroups:
+    if cfg.moe_impl == "ragged_dot":
+      return cls(group_sizes_E)
+    num_experts = group_sizes_E.shape[0]
+    tile = min(cfg.moe_tile_size, max(m, 1))
+    num_tiles = -(-m // tile) + num_experts
+    padded_sizes_E = -(-group_sizes_E // tile) * tile
+    padded_end_E = jnp.cumsum(padded_sizes_E)
+    group_start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+    expert_M = jnp.repeat(jnp.arange(num_experts), group_sizes_E, total_repeat_length=m)
+    row_M = (padded_end_E - padded_sizes_E)[expert_M] + jnp.arange(m) - group_start_E[expert_M]
+    tile_expert_T = jnp.minimum(
+        jnp.searchsorted(padded_end_E, jnp.arange(num_tiles) * tile, side="right"),
+        num_experts - 1)
+    return cls(group_sizes_E, tile_expert_T, row_M, tile, cfg.moe_impl == "tiled_scan")
+
+  def to_rows(self, x_MxD):
+    if self.tile_expert_T is None:
+      return x_MxD
+    num_tiles, d = self.tile_expert_T.shape[0], x_MxD.shape[-1]
+    padded = jnp.zeros((num_tiles * self.tile, d), x_MxD.dtype).at[self.row_M].set(x_MxD)
+    return padded.reshape(num_tiles, self.tile, d)
+
+  def from_rows(self, rows):
+    if self.tile_expert_T is None:
+      return rows
+    return rows.reshape(-1, rows.shape[-1])[self.row_M]
+
+
+def expert_matmul(rows, w, groups: ExpertGroups):
+  """Each row (in `groups`' layout) times its expert's matrix, w [E, in, out]; a LoraWeight adds
+  its per-expert low-rank path, (rows @ A_e) @ B_e, in the same grouped layout."""
+  if isinstance(w, lora.LoraWeight):
+    low_rank = expert_matmul(expert_matmul(w.low_rank_input(rows), w.a, groups), w.b, groups)
+    return expert_matmul(rows, w.base, groups) + jnp.asarray(w.scale, rows.dtype) * low_rank
+  if groups.tile_expert_T is None:
+    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), groups.group_sizes_E)
+  if groups.one_tile_at_a_time:
+    return _tile_matmul_scan(rows, w, groups.tile_expert_T)
+  return jnp.einsum("nti,nio->nto", rows, w[groups.tile_expert_T].astype(rows.dtype))
+
+
+@jax.custom_vjp
+def _tile_matmul_scan(rows_NxtxI, w_ExIxO, tile_expert_N):
+  """Tile n's rows times its expert's matrix, [N, t, I] x [E, I, O] -> [N, t, O], one tile per
+  lax.scan step: only one expert's matrix is gathered at a time (the batched form gathers as
+  much as all the layer's experts). The backward pass loops the same way."""
+  def step(_, xs):
+    rows_txI, expert = xs
+    return None, rows_txI @ w_ExIxO[expert].astype(rows_txI.dtype)
+
+  return jax.lax.scan(step, None, (rows_NxtxI, tile_expert_N))[1]
+
+
+def _tile_matmul_scan_fwd(rows_NxtxI, w_ExIxO, tile_expert_N):
+  out = _tile_matmul_scan(rows_NxtxI, w_ExIxO, tile_expert_N)
+  return out, (rows_NxtxI, w_ExIxO, tile_expert_N)
+
+
+def _tile_matmul_scan_bwd(residuals, grad_NxtxO):
+  rows_NxtxI, w_ExIxO, tile_expert_N = residuals
+
+  def step(grad_w, xs):
+    rows_txI, grad_txO, expert = xs
+    grad_rows = grad_txO @ w_ExIxO[expert].astype(grad_txO.dtype).T
+    # The weight gradient is dropped (and its work removed by XLA) for frozen weights.
+    grad_w = grad_w.at[expert].add((rows_txI.T @ grad_txO.astype(rows_txI.dtype)).astype(
+        grad_w.dtype))
+    return grad_w, grad_rows.astype(rows_txI.dtype)
+
+  grad_w, grad_rows = jax.lax.scan(step, jnp.zeros(w_ExIxO.shape, jnp.float32),
+                                   (rows_NxtxI, grad_NxtxO, tile_expert_N))
+  return grad_rows, grad_w.astype(w_ExIxO.dtype), None
+
+
+_tile_matmul_scan.defvjp(_tile_matmul_scan_fwd, _tile_matmul_scan_bwd)
 
 
 # ----------------------------------------------------------------------------- one layer
@@ -219,10 +314,9 @@ def _tiled_expert_mlp(x_MxD, group_sizes_E, gate_up_ExDx2I, down_ExIxD, tile: in
 
 def project_qkv(x_BxTxD, attn: Params, layer_type: str, positions_BxT, cfg: ModelConfig):
   """Queries, keys (normed, rotated) and values (v_norm; from k on full layers)."""
-  dt = x_BxTxD.dtype
-  q = jnp.einsum("btd,dhk->bthk", x_BxTxD, attn["q"].astype(dt))
-  k_raw = jnp.einsum("btd,dhk->bthk", x_BxTxD, attn["k"].astype(dt))
-  v_raw = jnp.einsum("btd,dhk->bthk", x_BxTxD, attn["v"].astype(dt)) if "v" in attn else k_raw
+  q = linear(x_BxTxD, attn["q"])
+  k_raw = linear(x_BxTxD, attn["k"])
+  v_raw = linear(x_BxTxD, attn["v"]) if "v" in attn else k_raw
   inv_freq = rope_inv_freq(cfg, layer_type)
   q = apply_rope(rms_norm(q, attn["q_norm"], cfg.rms_norm_eps), positions_BxT, inv_freq)
   k = apply_rope(rms_norm(k_raw, attn["k_norm"], cfg.rms_norm_eps), positions_BxT, inv_freq)
@@ -250,11 +344,28 @@ def transformer_layer(h_BxTxD, layer: Params, layer_type: str, cfg: ModelConfig,
   """
   normed = rms_norm(h_BxTxD, layer["input_norm"], cfg.rms_norm_eps)
   attn_out, extra = attention_fn(normed)
-  attn_out = jnp.einsum("bthk,hkd->btd", attn_out, layer["attn"]["o"].astype(h_BxTxD.dtype))
+  attn_out = linear(attn_out, layer["attn"]["o"], num_in_axes=2)
   h = h_BxTxD + rms_norm(attn_out, layer["post_attn_norm"], cfg.rms_norm_eps)
   h = h + feed_forward(h, layer, cfg)
   # layer_scalar is a fixed buffer in the reference, never trained.
-  return h * jax.lax.stop_gradient(layer["layer_scalar"]).astype(h.dtype), extra
+  h = h * jax.lax.stop_gradient(layer["layer_scalar"]).astype(h.dtype)
+  return sharding.constrain(h, sharding.HIDDEN), extra
+
+
+def run_layer(h_BxTxD, layer: Params, layer_type: str, cfg: ModelConfig, attention_fn):
+  """`transformer_layer` under the config's rematerialisation policy (cfg.remat)."""
+  def fn(h, layer):
+    # Tie the layer's weights to its input: a sharded weight's all-gather can then not be
+    # scheduled before the previous layer is done (else every layer's gathered weights may be
+    # live at once).
+    h, layer = jax.lax.optimization_barrier((h, layer))
+    return transformer_layer(h, layer, layer_type, cfg, attention_fn)
+
+  if cfg.remat == "full":
+    fn = jax.checkpoint(fn)
+  elif cfg.remat == "dots":
+    fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  return fn(h_BxTxD, layer)
 
 
 # ----------------------------------------------------------------------------- embeddings & head
@@ -264,14 +375,14 @@ def embed(params: Params, tokens_BxT, cfg: ModelConfig):
   """Scaled embedding lookup; the reference rounds sqrt(D) to the weight dtype."""
   table = params["embedding"]
   scale = jnp.asarray(cfg.hidden_size ** 0.5, table.dtype)
-  return (table[tokens_BxT] * scale).astype(cfg.compute_dtype)
+  return sharding.constrain((table[tokens_BxT] * scale).astype(cfg.compute_dtype), sharding.HIDDEN)
 
 
 def lm_head(params: Params, h_BxTxD, cfg: ModelConfig):
   """Tied-embedding logits in float32, soft-capped: cap * tanh(logits / cap)."""
   logits = (h_BxTxD @ params["embedding"].astype(h_BxTxD.dtype).T).astype(jnp.float32)
   cap = cfg.final_logit_softcap
-  return cap * jnp.tanh(logits / cap)
+  return sharding.constrain(cap * jnp.tanh(logits / cap), sharding.LOGITS)
 
 
 def self_conditioning_embedding(params: Params, logits_BxCxV, cfg: ModelConfig):
@@ -344,7 +455,7 @@ def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT
       out = attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), masks[layer_type], cfg)
       return out, {"k": k_all, "v": v_all}
 
-    h, new_cache = transformer_layer(h, layer, layer_type, cfg, attention_fn)
+    h, new_cache = run_layer(h, layer, layer_type, cfg, attention_fn)
     new_layers.append(new_cache)
   h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
   return h, {"layers": new_layers, "valid": kv_valid_BxS, "end": start + t}
@@ -398,7 +509,7 @@ def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_le
       v_all = jnp.concatenate([layer_cache["v"].astype(q.dtype), v], axis=1)
       return attention(q, k_all, v_all, masks[layer_type], cfg), None
 
-    h, _ = transformer_layer(h, layer, layer_type, cfg, attention_fn)
+    h, _ = run_layer(h, layer, layer_type, cfg, attention_fn)
   h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
   return lm_head(params, h, cfg)
 

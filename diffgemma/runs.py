@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import ml_collections
 
 from diffgemma import checkpointing, trainer
@@ -20,13 +19,10 @@ class Run:
 
 
 def load_run(workdir: str, **sampler_overrides) -> Run:
-  """Config and latest parameters of a workdir (CheckpointError if there is none)."""
-  config = checkpointing.load_config(workdir)
-  model_cfg = trainer.model_config(config)
-  tx, _ = trainer.make_optimizer(config)
-  abstract_state = jax.eval_shape(lambda: trainer.init_state(config, model_cfg, tx))
-  step, state = checkpointing.restore_latest(workdir, abstract_state)
-  return Run(config, model_cfg, _sampler(config, sampler_overrides), state["params"], int(step))
+  """Config and latest parameters of a workdir (CheckpointError if there is none); a LoRA run's
+  adapters come merged into its base."""
+  config, model_cfg, params, step = trainer.restore_params(workdir)
+  return Run(config, model_cfg, _sampler(config, sampler_overrides), params, step)
 
 
 def load_checkpoint_as_run(init_from: str, config, **sampler_overrides) -> Run:

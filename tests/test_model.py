@@ -26,8 +26,9 @@ def test_attention_mask_matches_brute_force_rules():
         assert decoder[i, q, j] == (valid[i, j] and 7 - window < j <= 9)
 
 
-@pytest.mark.parametrize("tile", [3, 8, 128])
-def test_tiled_moe_equals_ragged_dot_forward_and_grad(tile):
+@pytest.mark.parametrize("tile,impl", [(3, "tiled"), (8, "tiled"), (128, "tiled"),
+                                       (3, "tiled_scan"), (8, "tiled_scan")])
+def test_tiled_moe_equals_ragged_dot_forward_and_grad(tile, impl):
   cfg = tiny(moe_tile_size=tile)
   layer = model.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]
   x = jax.random.normal(jax.random.PRNGKey(1), (29, cfg.hidden_size))
@@ -41,7 +42,7 @@ def test_tiled_moe_equals_ragged_dot_forward_and_grad(tile):
     return model.moe(x, weights, index, layer["experts"], c), jax.grad(f, (0, 1))(
         x, layer["experts"])
 
-  (y_t, g_t), (y_r, g_r) = run("tiled"), run("ragged_dot")
+  (y_t, g_t), (y_r, g_r) = run(impl), run("ragged_dot")
   np.testing.assert_allclose(y_t, y_r, atol=1e-5)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), g_t, g_r)
 

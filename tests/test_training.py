@@ -121,12 +121,8 @@ def test_training_resumes_exactly(tmp_path):
   trainer.train(config, resumed, stop_at=2)
   last = trainer.train(config, resumed)
   assert np.isfinite(last["loss"])
-  model_cfg = trainer.model_config(config)
-  tx, _ = trainer.make_optimizer(config)
-  from diffgemma import checkpointing
-  abstract = jax.eval_shape(lambda: trainer.init_state(config, model_cfg, tx))
-  step_a, a = checkpointing.restore_latest(straight, abstract)
-  step_b, b = checkpointing.restore_latest(resumed, abstract)
+  *_, a, _, step_a = trainer.restore_run(straight)
+  *_, b, _, step_b = trainer.restore_run(resumed)
   assert step_a == step_b == 4
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
   assert json.load(open(os.path.join(straight, "config.json")))["batch_size"] == 4

@@ -5,8 +5,8 @@ their expert's gated MLP, y = (gelu_tanh(x Wg) * (x Wu)) Wd * row_weight. `model
 (between its sort and scatter-add) when `moe_impl="pallas"`.
 
 Layout. The wrapper pads every expert's rows to whole tiles of `block_m` rows (as
-`model._tiled_expert_mlp` does), so a tile never straddles two experts and an expert with no rows
-gets no tile. A small int32 schedule (tile -> expert, -1 for the unused tiles at the end of the
+`model.ExpertGroups` does for moe_impl="tiled"), so a tile never straddles two experts and an
+expert with no rows gets no tile. A small int32 schedule (tile -> expert, -1 for the unused tiles at the end of the
 static tile bound; expert -> first tile and tile count) travels as ordinary kernel inputs: the
 Triton backend has no scalar prefetch, so the kernels read it themselves and index the expert's
 weights (whole-array refs, never copied per tile) with it. Unused tiles run no contraction steps

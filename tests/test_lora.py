@@ -1,0 +1,220 @@
+"""LoRA (adapters on every linear, merge, checkpoint resume) and training sharded over devices."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diffgemma import lora, model, sharding, trainer
+from diffgemma.config import tiny
+from tests.test_cli import run
+from tests.test_training import tiny_sudoku_config
+
+CFG = tiny(moe_impl="ragged_dot")
+
+
+def _random_adapters(params, lora_cfg, seed):
+  """Adapters with non-zero B, so the low-rank path contributes."""
+  adapters = lora.init(params, lora_cfg, jax.random.PRNGKey(seed))
+  keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), len(adapters)))
+  return {name: {"a": f["a"], "b": 0.3 * jax.random.normal(next(keys), f["b"].shape)}
+          for name, f in adapters.items()}
+
+
+def _decode_logits(params, cfg):
+  rng = jax.random.PRNGKey(3)
+  prompt = jax.random.randint(rng, (2, 11), 3, cfg.vocab_size)
+  canvas = jax.random.randint(jax.random.fold_in(rng, 1), (2, cfg.canvas_length), 3,
+                              cfg.vocab_size)
+  cache = model.init_cache(cfg, 2, 11 + cfg.canvas_length)
+  _, cache = model.encode(params, cfg, prompt, cache)
+  sc = jax.random.normal(jax.random.fold_in(rng, 2), (2, cfg.canvas_length, cfg.vocab_size))
+  return model.decode(params, cfg, canvas, cache, self_cond_logits_BxCxV=sc)
+
+
+@pytest.mark.parametrize("moe_impl", ["ragged_dot", "tiled"])
+def test_merge_reproduces_the_lora_model(moe_impl):
+  cfg = CFG.replace(moe_impl=moe_impl)
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  lora_cfg = lora.LoraConfig(enabled=True, rank=3, alpha=6.0)
+  adapters = _random_adapters(params, lora_cfg, seed=1)
+  with_lora = _decode_logits(lora.wrap(params, adapters, lora_cfg), cfg)
+  merged = _decode_logits(lora.merge(params, adapters, lora_cfg), cfg)
+  base = _decode_logits(params, cfg)
+  # float32 on CPU: the two computation orders agree to rounding.
+  np.testing.assert_allclose(with_lora, merged, atol=2e-5, rtol=0)
+  assert float(jnp.max(jnp.abs(with_lora - base))) > 1e-2  # the adapters do change the model
+
+
+def test_merge_weight_matches_float64_numpy():
+  rng = np.random.default_rng(0)
+  base = rng.normal(size=(3, 5, 7)).astype(np.float32)  # stacked experts [E, in, out]
+  a, b = rng.normal(size=(3, 5, 2)), rng.normal(size=(3, 2, 7))
+  expected = base.astype(np.float64) + 1.5 * np.einsum("eir,ero->eio", a, b)
+  got = lora.merge_weight(jnp.asarray(base), jnp.asarray(a, jnp.float32),
+                          jnp.asarray(b, jnp.float32), 1.5)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+  q = rng.normal(size=(4, 2, 3)).astype(np.float32)  # attention q [D, H, hd]
+  qa, qb = rng.normal(size=(4, 2)), rng.normal(size=(2, 2, 3))
+  np.testing.assert_allclose(
+      lora.merge_weight(jnp.asarray(q), jnp.asarray(qa, jnp.float32), jnp.asarray(qb, jnp.float32),
+                        0.5), q + 0.5 * np.einsum("dr,rhk->dhk", qa, qb), rtol=1e-5, atol=1e-5)
+
+
+def test_default_targets_cover_every_linear_with_rank_r_factors():
+  params = model.init_params(CFG, jax.random.PRNGKey(0))
+  lora_cfg = lora.LoraConfig(enabled=True, rank=4)
+  adapters = lora.init(params, lora_cfg, jax.random.PRNGKey(1))
+  leaves = {lora.dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  linears = {name for name in leaves if lora.linear_layout(name)}
+  assert set(adapters) == linears
+  full_layer = CFG.layer_types.index("full_attention")
+  assert f"layers.{full_layer}.attn.v" not in adapters  # full layers take values from k
+  for name in ("layers.0.attn.o", "layers.0.experts.gate_up", "self_conditioning.down",
+               "layers.0.router.proj"):
+    assert name in adapters
+  e, d, two_i = leaves["layers.0.experts.gate_up"].shape
+  assert adapters["layers.0.experts.gate_up"]["a"].shape == (e, d, 4)
+  assert adapters["layers.0.experts.gate_up"]["b"].shape == (e, 4, two_i)
+  h, hd, _ = leaves["layers.0.attn.o"].shape
+  assert adapters["layers.0.attn.o"]["a"].shape == (h, hd, 4)
+  assert all(not np.any(f["b"]) for f in adapters.values())  # training starts at the base
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+  """A tiny Sudoku SFT run to fine-tune from."""
+  path = str(tmp_path_factory.mktemp("lora") / "base")
+  trainer.train(tiny_sudoku_config(workdir_steps=2), path)
+  return path
+
+
+def _lora_config(steps, targets=None, rank=2):
+  config = tiny_sudoku_config(workdir_steps=steps)
+  config.lora.update({"enabled": True, "rank": rank, "alpha": 4.0, "base_dtype": "float32",
+                      "dropout": 0.1})
+  if targets is not None:
+    config.lora.targets = targets
+  config.optimizer.lr = 1e-2
+  return config
+
+
+def test_lora_training_changes_exactly_the_targeted_leaves_and_resumes_exactly(base_run,
+                                                                              tmp_path):
+  targets = (r"attn\.q$", r"experts\.down$", r"self_conditioning\.up$")
+  config = _lora_config(4, targets=targets, rank=3)
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  trainer.train(config, straight, init_from=base_run)
+  trainer.train(config, resumed, init_from=base_run, stop_at=2)
+  trainer.train(config, resumed)  # resumes: base re-read from the run's init_from
+
+  _, setup, a, frozen, step_a = trainer.restore_run(straight)
+  *_, b, _, step_b = trainer.restore_run(resumed)
+  assert step_a == step_b == 4
+  jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+
+  # Only the adapters are checkpointed, with rank-3 factors.
+  assert set(a["params"]) == {n for n in a["params"] if any(
+      n.endswith(s) for s in ("attn.q", "experts.down", "self_conditioning.up"))}
+  assert all(f["a"].shape[-1] == 3 and f["b"].shape[-f["b"].ndim + (f["b"].ndim - 2 if
+             "experts" in n else 0)] == 3 for n, f in a["params"].items())
+  _, base_params, _ = trainer.restore_params(base_run)[1:]
+  merged = lora.merge(frozen, a["params"], setup.lora_cfg)
+  changed = {lora.dotted(p) for p, x in jax.tree_util.tree_flatten_with_path(merged)[0]
+             if not np.array_equal(x, _leaf(base_params, p))}
+  assert changed == set(a["params"])
+
+
+def _leaf(tree, path):
+  for k in path:
+    tree = tree[getattr(k, "key", getattr(k, "idx", None))]
+  return tree
+
+
+def test_lora_run_loads_merged_for_export(base_run, tmp_path):
+  config = _lora_config(1)
+  workdir = str(tmp_path / "run")
+  trainer.train(config, workdir, init_from=base_run)
+  from diffgemma import checkpoint_io, runs
+
+  run = runs.load_run(workdir)
+  _, setup, state, frozen, _ = trainer.restore_run(workdir)
+  np.testing.assert_array_equal(run.params["layers"][0]["attn"]["q"],
+                                lora.merge(frozen, state["params"], setup.lora_cfg)
+                                ["layers"][0]["attn"]["q"])
+  cfg, params = checkpoint_io.load_model(workdir)  # what convert_checkpoint exports
+  checkpoint_io.check_params(cfg, params)
+
+
+_TWO_DEVICES = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+sys.path.insert(0, os.getcwd())
+import jax, numpy as np
+from diffgemma import data, sharding, trainer
+from tests.test_training import tiny_sudoku_config
+
+def losses(fsdp, tensor, lora_base=None):
+  config = tiny_sudoku_config(workdir_steps=5)
+  config.model.update(dict(num_heads=4, num_kv_heads=2, intermediate_size=32))
+  config.sharding.update(dict(fsdp=fsdp, tensor=tensor))
+  setup = trainer.make_setup(config)
+  assert setup.mesh.size == fsdp * tensor
+  state = trainer.init_state(config, setup)
+  target = trainer.abstract_state(config, setup)
+  state = jax.device_put(state, jax.tree_util.tree_map(lambda x: x.sharding, target))
+  seq_len = data.PROMPT_LEN + data.CANVAS_LEN
+  step = trainer.make_train_step(setup, jax.tree_util.tree_map(lambda x: x.sharding, target),
+                                 None, trainer.batch_shardings(setup, 4, seq_len))
+  batches = data.train_batches(config.data, 4, 5)
+  out = []
+  for _ in range(5):
+    state, metrics = step(state, None, sharding.global_batch(next(batches), setup.mesh,
+                                                             setup.rules))
+    out.append(float(metrics["loss"]))
+  emb = state["params"]["embedding"]
+  return np.array(out), emb
+
+one, _ = losses(1, 1)
+two, emb = losses(2, 1)
+tp, emb_tp = losses(1, 2)
+print("losses", one, two, tp)
+assert len({s.device for s in emb.addressable_shards}) == 2
+assert emb.addressable_shards[0].data.shape[1] == emb.shape[1] // 2, emb.sharding  # fsdp: embed
+assert emb_tp.addressable_shards[0].data.shape[0] == emb.shape[0] // 2, emb_tp.sharding  # vocab
+np.testing.assert_allclose(two, one, atol=1e-5, rtol=0)
+np.testing.assert_allclose(tp, one, atol=1e-5, rtol=0)
+print("ok")
+"""
+
+
+def test_training_sharded_over_two_devices_matches_one_device():
+  r = run("-c", _TWO_DEVICES)
+  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_dry_run_reports_per_device_memory_on_two_simulated_devices():
+  r = run("train.py", "--config=sft_sudoku_lora_tiny", "--dry_run", "--dry_run_devices=2",
+          "--config.model.num_layers=2", "--config.batch_size=4")
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = r.stdout
+  assert "dry run: 2 devices" in out and "peak per device" in out and "fits" in out, out
+  peak = float(out.split("| peak per device |")[1].split("|")[0])
+  assert 0 < peak < 1.0, out
+
+
+def test_logical_axes_and_partition_specs():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), sharding.MESH_AXES)
+  assert sharding.logical_axes("layers.0.experts.gate_up", 3) == ("experts", "embed",
+                                                                  "expert_mlp")
+  assert sharding.logical_axes("0.mu.layers.0.experts.gate_up.a", 3) == ("experts", "embed",
+                                                                         "lora_rank")
+  assert sharding.logical_axes("layers.0.attn.o.b", 2) == ("lora_rank", "embed")
+  assert sharding.logical_axes("layers.0.input_norm", 1) == (None,)
+  spec = sharding.partition_spec(("experts", "embed"), (4, 8), mesh, sharding.DEFAULT_RULES)
+  assert spec == jax.sharding.PartitionSpec(None, None)  # one device: nothing split
+  with pytest.raises(ValueError, match="unknown mesh axis"):
+    sharding.ShardingConfig(rules={"embed": "fsdpp"})
+  with pytest.raises(ValueError, match="needs 4 devices"):
+    sharding.make_mesh(sharding.ShardingConfig(fsdp=4), jax.devices()[:1])
