@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import lora, model, sharding, trainer
+from diffgemma import checkpointing, lora, model, sharding, trainer
 from diffgemma.config import tiny
 from tests.test_cli import run
 from tests.test_training import tiny_sudoku_config
@@ -134,9 +134,15 @@ def _leaf(tree, path):
 
 def test_lora_run_loads_merged_for_export(base_run, tmp_path):
   config = _lora_config(1)
+  config.lora.save_base = True  # the base travels in the checkpoint: no need for init_from
   workdir = str(tmp_path / "run")
   trainer.train(config, workdir, init_from=base_run)
   from diffgemma import checkpoint_io, runs
+
+  saved = checkpointing.load_config(workdir)
+  with saved.unlocked():
+    saved.init_from = str(tmp_path / "gone")  # restoring must not read it
+  checkpointing.save_config(workdir, saved)
 
   run = runs.load_run(workdir)
   _, setup, state, frozen, _ = trainer.restore_run(workdir)
