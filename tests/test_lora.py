@@ -202,7 +202,7 @@ def test_training_sharded_over_two_devices_matches_one_device():
 
 def test_dry_run_reports_per_device_memory_on_two_simulated_devices():
   r = run("train.py", "--config=sft_sudoku_lora_tiny", "--dry_run", "--dry_run_devices=2",
-          "--config.model.num_layers=2", "--config.batch_size=4")
+          "--config.model.num_layers=2", "--config.model.layer_types=()", "--config.batch_size=4")
   assert r.returncode == 0, r.stderr[-3000:]
   out = r.stdout
   assert "dry run: 2 devices" in out and "peak per device" in out and "fits" in out, out
