@@ -2,6 +2,8 @@
 
   python train.py --config=sft_sudoku --workdir=/tmp/sudoku [--config.num_train_steps=500 ...]
   python train.py --config=CONFIG --workdir=DIR --init_from=CHECKPOINT_DIR   # fine-tune
+  python train.py --config=sft_sudoku_lora --dry_run   # per-device memory plan, no weights
+  python train.py --config=sdrl_sudoku --workdir=DIR --init_from=SFT_WORKDIR  # SD·RL stage
 
 Rerunning on the same workdir resumes exactly (step, optimizer, data position, RNG).
 """
@@ -17,21 +19,63 @@ _INIT_FROM = flags.DEFINE_string(
     "init_from", None, "Start a new run from these parameters: a transformers checkpoint dir "
     "(DiffusionGemma or Gemma 4), an orbax model dir, or a training workdir. The model "
     "architecture comes from the checkpoint.")
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Compile the training step against abstract parameters on the "
+    "configured mesh and print per-device memory; allocates no weights, needs no --workdir.")
+_DRY_RUN_DEVICES = flags.DEFINE_integer(
+    "dry_run_devices", None, "Devices to simulate on the CPU for --dry_run (default: the "
+    "product of the config's fixed sharding axes).")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() first (one process per host; "
+    "the coordinator is found from the cluster environment: SLURM, TPU, or JAX_COORDINATOR_*).")
+
+
+def simulate_devices(config) -> None:
+  """Ask XLA for N host (CPU) devices before JAX starts, for a --dry_run without hardware."""
+  import os
+
+  n = _DRY_RUN_DEVICES.value
+  if n is None:
+    sizes = [config.sharding.get(a, 1) for a in ("data", "fsdp", "expert", "tensor")]
+    n = 1
+    for size in sizes:
+      n *= max(size, 1)
+  flags_ = [f"--xla_force_host_platform_device_count={n}",
+            # Schedule for memory, not concurrency, as a GPU compile would (else the CPU plan
+            # holds many layers' temporaries at once); skip costly codegen nobody will run.
+            "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+            "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + flags_).strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def main(argv):
   del argv
   if _CONFIG.value is None:
     raise cli.UserError("--config is required, e.g. --config=sft_sudoku")
-  if not _WORKDIR.value:
+  if _DRY_RUN.value:
+    simulate_devices(_CONFIG.value)
+  elif not _WORKDIR.value:
     raise cli.UserError("--workdir is required, e.g. --workdir=/tmp/sudoku")
-  from diffgemma import trainer  # after flag parsing, so bad flags fail fast
+  import jax
 
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()
+  from diffgemma import sdrl, trainer  # after flag parsing, so bad flags fail fast
+
+  # A config with an `sdrl` section runs the SD·RL stage; any other, SFT.
+  stage = sdrl if sdrl.is_sdrl_config(_CONFIG.value) else trainer
   try:
-    trainer.validate_config(_CONFIG.value)
+    stage.validate_config(_CONFIG.value)
   except (KeyError, TypeError, ValueError) as e:
     raise cli.UserError(f"bad config: {e}") from e
-  trainer.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value)
+  if _DRY_RUN.value:
+    if stage is not trainer:
+      raise cli.UserError("--dry_run plans SFT / LoRA training steps; this is an SD·RL config")
+    report = trainer.dry_run(_CONFIG.value, init_from=_INIT_FROM.value)
+    print(trainer.format_dry_run(report, _CONFIG.value))
+    return
+  stage.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value)
 
 
 if __name__ == "__main__":

@@ -79,21 +79,8 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, batch, rng):
   noisy_BxC = diffusion.corrupt(noise_rng, clean_BxC, t_B, cfg.vocab_size,
                                 loss_cfg.noise_schedule, target_mask_BxC)
 
-  # Self-conditioning: a gradient-free first pass supplies the logits for a share of the batch.
-  # Examples arrive in random order, so the first `num_sc` rows are a random subset, and the
-  # first pass runs on those rows only (the rest would be multiplied by zero anyway).
-  num_sc = round(b * loss_cfg.self_conditioning_prob)
-  sc_mask_B = jnp.arange(b) < num_sc
-  sc_logits = None
-  if num_sc:
-    head = lambda x: x[:num_sc]
-    sc_cache = {"layers": jax.tree_util.tree_map(head, cache["layers"]),
-                "valid": head(cache["valid"]), "end": cache["end"]}
-    first = jax.lax.stop_gradient(
-        model.decode(params, cfg, noisy_BxC[:num_sc], sc_cache, start_B[:num_sc]))
-    sc_logits = jnp.concatenate(
-        [first, jnp.zeros((b - num_sc,) + first.shape[1:], first.dtype)], axis=0)
-  logits = model.decode(params, cfg, noisy_BxC, cache, start_B, sc_logits, sc_mask_B)
+  logits, _, _ = self_conditioned_logits(params, cfg, noisy_BxC, cache, start_B,
+                                         loss_cfg.self_conditioning_prob)
   ce_BxC = cross_entropy(logits, clean_BxC)
   if loss_cfg.decoder_weighting == "inverse_t":
     ce_BxC = ce_BxC / t_B[:, None]
@@ -106,3 +93,28 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, batch, rng):
   total = loss_cfg.encoder_weight * encoder_loss + loss_cfg.decoder_weight * decoder_loss
   metrics["loss"] = total
   return total, metrics
+
+
+def self_conditioned_logits(params, cfg: ModelConfig, noisy_BxC, cache, prefix_len_B,
+                            self_conditioning_prob: float):
+  """Decoder logits [B, C, V] under the SFT self-conditioning scheme, and its inputs.
+
+  A gradient-free first pass supplies the self-conditioning logits of the first
+  round(B * prob) rows; the rest get zeros. Callers pass rows in random order, so those rows are
+  a random subset, and the first pass runs on them only (the rest would be multiplied by zero).
+  Returns (logits_BxCxV, self-conditioning logits [B, C, V] or None, self-conditioning mask [B]).
+  """
+  b = noisy_BxC.shape[0]
+  num_sc = round(b * self_conditioning_prob)
+  sc_mask_B = jnp.arange(b) < num_sc
+  sc_logits = None
+  if num_sc:
+    head = lambda x: x[:num_sc]
+    sc_cache = {"layers": jax.tree_util.tree_map(head, cache["layers"]),
+                "valid": head(cache["valid"]), "end": cache["end"]}
+    first = jax.lax.stop_gradient(
+        model.decode(params, cfg, noisy_BxC[:num_sc], sc_cache, prefix_len_B[:num_sc]))
+    sc_logits = jnp.concatenate(
+        [first, jnp.zeros((b - num_sc,) + first.shape[1:], first.dtype)], axis=0)
+  logits = model.decode(params, cfg, noisy_BxC, cache, prefix_len_B, sc_logits, sc_mask_B)
+  return logits, sc_logits, sc_mask_B

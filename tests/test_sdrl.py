@@ -1,0 +1,386 @@
+"""SD·RL: advantages, the loss on a hand-computed batch, the trajectory replay, the rewards, and
+a short run of the loop from a saved tiny SFT run (with exact resume)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import sdrl_sudoku, sft_sudoku
+from diffgemma import (
+  checkpointing,
+  data,
+  diffusion,
+  losses,
+  model,
+  rewards,
+  sampler,
+  sdrl,
+  sudoku,
+  trainer,
+)
+from diffgemma.config import tiny
+
+CFG = tiny(canvas_length=4, num_layers=2)  # one sliding and one full layer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_compile():
+  """XLA's CPU optimisations cost far more compile time than these tiny programs run."""
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.fixture(scope="module")
+def params():
+  # The default (small) init: a large-weight random model is chaotic along a trajectory (float
+  # rounding differences between two compiled programs grow into flipped expert choices and
+  # argmaxes within a few steps), so the replay check needs a tame one, as a trained model is.
+  # An "rbg" key: threefry's op-by-op compiles make init several times slower on CPU.
+  return model.init_params(CFG, jax.random.key(0, impl="rbg"))
+
+
+def log_softmax64(logits):
+  x = np.asarray(logits, np.float64)
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@jax.jit
+def state_logits(params, prompt_UxP, canvas_UxC, self_cond_UxCxD):
+  """Each state row decoded after its own prompt's encoding (no shared cache)."""
+  u, p = prompt_UxP.shape
+  cache = model.init_cache(CFG, u, p + CFG.canvas_length)
+  _, cache = model.encode(params, CFG, prompt_UxP, cache)
+  return model.decode(params, CFG, canvas_UxC, cache, None, None, None, self_cond_UxCxD)
+
+
+@jax.jit
+def corrupted_state_logits(params, prompt_UxP, target_UxC, rng):
+  """"rl" rows by hand: sdrl_loss's draws (split(rng) -> decode key -> split -> t key, noise
+  key), then the first half self-conditioned on a first pass, the rest not."""
+  u, p = prompt_UxP.shape
+  t_rng, noise_rng = jax.random.split(jax.random.split(rng)[0])
+  t_U = diffusion.sample_noise_level(t_rng, u, losses.LossConfig(prompt_len=p).t_eps)
+  noisy_UxC = diffusion.corrupt(noise_rng, target_UxC, t_U, CFG.vocab_size, "linear")
+  cache = model.init_cache(CFG, u, p + CFG.canvas_length)
+  _, cache = model.encode(params, CFG, prompt_UxP, cache)
+  first = model.decode(params, CFG, noisy_UxC, cache)
+  return noisy_UxC, model.decode(params, CFG, noisy_UxC, cache, None, first,
+                                 jnp.arange(u) < u // 2)
+
+
+loss_fn = jax.jit(sdrl.sdrl_loss, static_argnums=(1, 2, 3))
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+REWARDS_2x4 = np.array([[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5]])
+
+
+@pytest.mark.parametrize("norm, neg_weight, clip, reward_weight", [
+    ("group_std", 1.0, 0.0, 0.0), ("group_std", 0.25, 1.5, 1.0), ("group_mean", 0.0, 0.0, 0.5),
+    ("none", 1.0, 0.0, 0.0)])
+def test_advantages_match_numpy(norm, neg_weight, clip, reward_weight):
+  cfg = sdrl.SdrlConfig(group_size=4, prompts_per_rollout=2, advantage_norm=norm,
+                        negative_advantage_weight=neg_weight, advantage_clip=clip,
+                        reward_weight=reward_weight, advantage_eps=1e-3)
+  r = REWARDS_2x4
+  if norm == "group_std":  # population std, as the design's std_G
+    std = np.sqrt(((r - r.mean(1, keepdims=True)) ** 2).mean(1, keepdims=True))
+    expected = (r - r.mean(1, keepdims=True)) / (std + 1e-3)
+  elif norm == "group_mean":
+    expected = r - r.mean(1, keepdims=True)
+  else:
+    expected = r.copy()
+  if clip:
+    expected = np.clip(expected, -clip, clip)
+  expected = np.where(expected < 0, neg_weight * expected, expected) + reward_weight * r
+  got = np.asarray(sdrl.advantages(r.reshape(-1), cfg))
+  np.testing.assert_allclose(got, expected.reshape(-1), rtol=1e-6, atol=1e-7)
+  if norm == "group_std" and not clip and neg_weight == 1.0 and not reward_weight:
+    # By hand: one success in four: mean 1/4, std sqrt(3)/4.
+    np.testing.assert_allclose(got[:4], np.array([3, -1, -1, -1]) / (np.sqrt(3) + 4e-3),
+                               rtol=1e-6)
+    assert np.all(got[4:] == 0)  # a group of equal rewards carries no signal
+
+
+def test_distill_mode_weights_every_sample_equally():
+  cfg = sdrl.SdrlConfig(mode="distill", group_size=4, prompts_per_rollout=2)
+  np.testing.assert_array_equal(sdrl.advantages(REWARDS_2x4.reshape(-1), cfg), np.ones(8))
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def state_batch(mode, num_states=2):
+  """Two rollout rows (one group), one canvas, `num_states` states each; the last is invalid."""
+  rng = np.random.default_rng(0)
+  b, p, c, d = 2, 3, CFG.canvas_length, CFG.hidden_size
+  u = b * num_states
+  valid = np.ones(u, bool)
+  valid[-1] = False
+  batch = {
+      "prompt_BxP": jnp.asarray(rng.integers(3, CFG.vocab_size, (b, p)), jnp.int32),
+      "prompt_valid_BxP": jnp.ones((b, p), bool),
+      "context_BxT": jnp.zeros((b, 0), jnp.int32),
+      "weight_B": jnp.asarray([1.5, -0.5], jnp.float32),
+      "row_U": jnp.tile(jnp.arange(b, dtype=jnp.int32), num_states),
+      "prefix_len_U": jnp.full((u,), p, jnp.int32),
+      "target_UxC": jnp.asarray(rng.integers(0, CFG.vocab_size, (u, c)), jnp.int32),
+      "valid_U": jnp.asarray(valid)}
+  if mode != "rl":
+    batch["canvas_UxC"] = jnp.asarray(rng.integers(0, CFG.vocab_size, (u, c)), jnp.int32)
+    batch["self_cond_UxCxD"] = jnp.asarray(rng.normal(0, 1, (u, c, d)), jnp.float32)
+  return batch
+
+
+def expected_policy_loss(logits_UxCxV, batch):
+  """sum_u A[row_u] * mean_c CE_u / #valid, in float64 numpy."""
+  logp = log_softmax64(logits_UxCxV)
+  target = np.asarray(batch["target_UxC"])
+  ce_U = -np.take_along_axis(logp, target[..., None], -1)[..., 0].mean(-1)
+  valid = np.asarray(batch["valid_U"])
+  weight = np.asarray(batch["weight_B"], np.float64)[np.asarray(batch["row_U"])] * valid
+  return (weight * ce_U).sum() / valid.sum(), ce_U
+
+
+def test_trajectory_loss_matches_hand_computation(params):
+  """Advantage-weighted CE toward the final canvas, plus the KL anchor to a reference model."""
+  batch = state_batch("both")
+  loss_cfg = losses.LossConfig(prompt_len=3)
+  cfg = sdrl.SdrlConfig(mode="both", group_size=2, prompts_per_rollout=1,
+                        states_per_trajectory=2, anchor="kl", anchor_weight=0.5)
+  reference = jax.tree_util.tree_map(lambda x: x * 3.0, params)
+  total, metrics = loss_fn(params, CFG, cfg, loss_cfg, batch, jax.random.PRNGKey(0), reference)
+  prompt_UxP = batch["prompt_BxP"][batch["row_U"]]
+  logits = state_logits(params, prompt_UxP, batch["canvas_UxC"], batch["self_cond_UxCxD"])
+  expected, ce_U = expected_policy_loss(logits, batch)
+  np.testing.assert_allclose(metrics["policy_loss"], expected, rtol=1e-5)
+  np.testing.assert_allclose(metrics["state_ce"], ce_U[:3].mean(), rtol=1e-5)  # valid states
+  ref_logits = state_logits(reference, prompt_UxP, batch["canvas_UxC"], batch["self_cond_UxCxD"])
+  ref_logp, logp = log_softmax64(ref_logits)[:3], log_softmax64(logits)[:3]
+  kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(-1).mean(-1).mean()
+  assert kl > 1e-3
+  np.testing.assert_allclose(metrics["anchor"], kl, rtol=1e-4)
+  np.testing.assert_allclose(total, expected + 0.5 * kl, rtol=1e-5)
+  _, same = loss_fn(params, CFG, cfg, loss_cfg, batch, jax.random.PRNGKey(0), params)
+  np.testing.assert_allclose(same["anchor"], 0.0, atol=1e-6)  # no drift from itself
+
+
+def test_rl_loss_matches_hand_computation(params):
+  """"rl": corruptions of the final canvas (the loss's own draws), SFT self-conditioning."""
+  batch = state_batch("rl")
+  loss_cfg = losses.LossConfig(prompt_len=3, self_conditioning_prob=0.5)
+  cfg = sdrl.SdrlConfig(mode="rl", group_size=2, prompts_per_rollout=1, states_per_trajectory=2)
+  rng = jax.random.PRNGKey(4)
+  total, _ = loss_fn(params, CFG, cfg, loss_cfg, batch, rng)
+  noisy, logits = corrupted_state_logits(params, batch["prompt_BxP"][batch["row_U"]],
+                                         batch["target_UxC"], rng)
+  assert not np.array_equal(noisy, batch["target_UxC"])
+  expected, _ = expected_policy_loss(logits, batch)
+  np.testing.assert_allclose(total, expected, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def test_replay_reproduces_the_recorded_trajectory(params):
+  """Replaying the sampler's steps on the recorded canvases, with the sampler's keys, gives the
+  recorded argmax at every step and the recorded next canvas; the prepared training states
+  (canvas + self-conditioning) make the decoder produce the recorded argmax of their step.
+  Two canvases, so the second one's states sit after a committed first. (The fused step's
+  self-conditioning is replayed in the loop test.)"""
+  # Stop on a stable argmax alone (threshold above log V), so rows stop at different steps.
+  scfg = sampler.SamplerConfig(max_denoising_steps=6, max_new_tokens=2 * CFG.canvas_length,
+                               confidence_threshold=100.0, record_trajectory=True)
+  b, p = 4, 3
+  prompt = jnp.asarray(np.random.default_rng(1).integers(3, CFG.vocab_size, (b, p)), jnp.int32)
+  valid = jnp.ones((b, p), bool)
+  gen_rng = jax.random.PRNGKey(5)
+  out = sampler.make_generate_fn(CFG, scfg)(params, prompt, valid, gen_rng)
+  traj = out["trajectory"]
+  steps = np.asarray(traj["valid"]).sum(1)  # [K, B]
+  assert steps[0].min() >= 1 and steps.max() <= 6
+
+  replay = jax.jit(sdrl.replay, static_argnums=(1, 2))
+  cache = jax.jit(sdrl.encode_context, static_argnums=1)(
+      params, CFG, prompt, valid, sdrl.context_tokens(out["tokens"], CFG))
+  for k in range(2):
+    loop_key = jax.random.split(jax.random.fold_in(gen_rng, k))[1]  # denoise_canvas's
+    canvas_cache = dict(cache, end=jnp.asarray(p + k * CFG.canvas_length))
+    got = replay(params, CFG, scfg, canvas_cache, traj["canvas"][k], traj["valid"][k], loop_key)
+    ran = np.asarray(traj["valid"][k])
+    np.testing.assert_array_equal(np.asarray(got["argmax"])[ran],
+                                  np.asarray(traj["argmax"][k])[ran])
+    fed_next = ran[1:]  # canvas n + 1 is step n's output
+    np.testing.assert_array_equal(np.asarray(got["canvas"])[:-1][fed_next],
+                                  np.asarray(traj["canvas"][k])[1:][fed_next])
+
+  cfg = sdrl.SdrlConfig(mode="both", group_size=2, prompts_per_rollout=2,
+                        state_selection="all")
+  batch = jax.jit(sdrl.prepare_states, static_argnums=(1, 2, 3))(
+      params, CFG, scfg, cfg, prompt, valid, out, jnp.ones(b), jax.random.PRNGKey(0))
+  assert float(batch["replay_agreement"]) == 1.0
+  ok = np.asarray(batch["valid_U"])
+  assert ok.sum() == steps.sum()  # "all": every step every row ran
+  cache_U = sdrl._take_rows(cache, batch["row_U"])
+  logits = jax.jit(model.decode, static_argnums=1)(
+      params, CFG, batch["canvas_UxC"], cache_U, batch["prefix_len_U"], None, None,
+      batch["self_cond_UxCxD"])
+  step_U = np.asarray(batch["step_U"])
+  k_U = (np.asarray(batch["prefix_len_U"]) - p) // CFG.canvas_length
+  recorded = np.asarray(traj["argmax"])[k_U, np.maximum(step_U, 0), np.asarray(batch["row_U"])]
+  np.testing.assert_array_equal(np.asarray(jnp.argmax(logits, -1))[ok], recorded[ok])
+  # Targets: the last argmax of the canvas's trajectory.
+  last = np.asarray(traj["argmax"])[k_U, np.maximum(steps[k_U, batch["row_U"]] - 1, 0),
+                                    np.asarray(batch["row_U"])]
+  np.testing.assert_array_equal(np.asarray(batch["target_UxC"])[ok], last[ok])
+
+
+def test_state_selection():
+  n_KxB = jnp.asarray([[3, 0, 1]])
+  last = sdrl.select_steps(n_KxB, None, sdrl.SdrlConfig(state_selection="last_k"), 2)
+  np.testing.assert_array_equal(last[0], [[2, -1, 0], [1, -1, -1]])
+  every = sdrl.select_steps(n_KxB, None, sdrl.SdrlConfig(state_selection="all"), 4)
+  np.testing.assert_array_equal(every[0], [[0, -1, 0], [1, -1, -1], [2, -1, -1], [-1, -1, -1]])
+  uniform = np.asarray(sdrl.select_steps(n_KxB, jax.random.PRNGKey(0),
+                                         sdrl.SdrlConfig(state_selection="uniform"), 200))[0]
+  assert set(uniform[:, 0]) == {0, 1, 2} and set(uniform[:, 1]) == {-1}
+  assert set(uniform[:, 2]) == {0}
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def test_sudoku_rewards_on_known_grids():
+  puzzles, solutions = sudoku.generate_puzzles(3, 2, 40, 44)
+  wrong_cell = solutions[0].copy()
+  blank = int(np.flatnonzero(puzzles[0] == 0)[0])
+  wrong_cell[blank] = wrong_cell[blank] % 9 + 1  # one blank cell wrong: duplicates in 3 units
+  swapped = solutions[1].copy()  # a valid grid that breaks a given
+  swapped = np.where(swapped == 1, 10, swapped)
+  swapped = np.where(swapped == 2, 1, swapped)
+  swapped = np.where(swapped == 10, 2, swapped)
+  assert sudoku.is_valid_solution(swapped) and not sudoku.is_consistent(puzzles[1], swapped)
+  grids = np.stack([solutions[0], wrong_cell, swapped, np.zeros(81, np.int8)])
+  puzzle_rows = np.stack([puzzles[0], puzzles[0], puzzles[1], puzzles[1]])
+  task = {"puzzle": puzzle_rows, "solution": np.stack([solutions[0]] * 2 + [solutions[1]] * 2)}
+  task["target"] = data.solution_tokens(task["solution"])
+  tokens = data.solution_tokens(grids)
+  tokens[3] = data.PAD  # an empty canvas: every cell blank
+
+  def run(**kwargs):
+    cfg = rewards.RewardConfig(**kwargs)
+    return rewards.compute(cfg, tokens, task, np.full(4, 6.0), np.full(4, 81), 48, 81, (1,), 0)
+
+  plain = run()
+  np.testing.assert_array_equal(plain["correct"], [True, False, False, False])
+  np.testing.assert_array_equal(plain["reward"], [1, 0, 0, 0])
+  n_blank = [(puzzles[0] == 0).sum(), (puzzles[1] == 0).sum()]
+  cells = run(partial_credit="cells", partial_weight=0.5)["reward"]
+  ones_twos = ((solutions[1] == 1) | (solutions[1] == 2)) & (puzzles[1] == 0)
+  np.testing.assert_allclose(cells, [1.0, 0.5 * (n_blank[0] - 1) / n_blank[0],
+                                     0.5 * (n_blank[1] - ones_twos.sum()) / n_blank[1], 0.0])
+  units = run(partial_credit="constraints", partial_weight=1.0)["reward"]
+  # One wrong cell breaks its row, column and box.
+  np.testing.assert_allclose(units[:2], [1.0, 24 / 27])
+  given_12 = np.isin(puzzles[1], [1, 2]).reshape(9, 9)
+  box_12 = given_12.reshape(3, 3, 3, 3).transpose(0, 2, 1, 3).reshape(9, 9)
+  kept = 27 - given_12.any(1).sum() - given_12.any(0).sum() - box_12.any(1).sum()
+  np.testing.assert_allclose(units[2:], [kept / 27, 0.0])
+  shaped = run(step_penalty=0.48, length_penalty=0.1)["reward"]
+  np.testing.assert_allclose(shaped, plain["reward"] - 0.48 * 6 / 48 - 0.1, rtol=1e-6)
+  exact = run(name="exact_match")
+  np.testing.assert_array_equal(exact["correct"], [True, False, False, False])
+
+
+def test_exact_match_reward_reads_up_to_the_first_stop_id():
+  eos, pad = 1, 0
+  tokens = np.array([[5, 6, eos, pad], [5, 6, 7, eos], [5, eos, 9, 9], [5, 6, pad, pad]])
+  target = np.array([[5, 6, eos, pad]] * 4)
+  out = rewards.compute(rewards.RewardConfig(name="exact_match"), tokens, {"target": target},
+                        np.ones(4), np.ones(4), 48, 4, (eos,), pad)
+  np.testing.assert_array_equal(out["correct"], [True, False, False, True])
+
+
+def test_bad_config_values_fail_with_one_line():
+  config = sdrl_sudoku.get_config()
+  sdrl.validate_config(config)
+  for key, value, words in (("mode", "ppo", "unknown sdrl.mode"),
+                            ("state_selection", "first", "unknown sdrl.state_selection"),
+                            ("updates_per_rollout", 3, "must be a multiple")):
+    bad = sdrl_sudoku.get_config()
+    bad.sdrl[key] = value
+    with pytest.raises(ValueError, match=words):
+      sdrl.validate_config(bad)
+  bad = sdrl_sudoku.get_config()
+  bad.sdrl.reward.partial_credit = "most"
+  with pytest.raises(ValueError, match="partial_credit"):
+    sdrl.validate_config(bad)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def tiny_configs():
+  """A tiny SFT config and the SD·RL config on top of it (same model, tiny sampler budgets)."""
+  sft = sft_sudoku.get_config()
+  sft.model.update({
+      "vocab_size": 16, "hidden_size": 16, "intermediate_size": 24, "num_layers": 2,
+      "num_heads": 2, "num_kv_heads": 1, "head_dim": 8, "global_head_dim": 8,
+      "num_global_kv_heads": 1, "num_experts": 4, "top_k_experts": 2,
+      "moe_intermediate_size": 8, "moe_impl": "ragged_dot", "layer_types": ()})
+  sft.data.update({"prompt_format": "digits", "num_threads": 0})
+  sft.eval.every_steps = 0
+  config = sdrl_sudoku.get_config()
+  config.update({key: sft[key] for key in ("model", "data", "eval")})
+  config.update({"num_train_steps": 4, "checkpoint_every": 2, "log_every": 1})
+  config.sdrl.update({"group_size": 2, "prompts_per_rollout": 2, "updates_per_rollout": 2,
+                      "states_per_trajectory": 2, "anchor": "none"})
+  config.sdrl.reward.partial_credit = "cells"
+  # The fused step's self-conditioning embedding goes through the replay here.
+  config.sdrl.rollout_sampler.update({"max_denoising_steps": 3, "fused_step": True})
+  config.sdrl.prompts.update({"min_givens": 44, "max_givens": 46})
+  return sft, config
+
+
+def save_sft_run(sft, workdir):
+  """A saved SFT run at step 0 (trainer layout: config.json + an orbax state checkpoint)."""
+  setup = trainer.make_setup(sft)
+  params = model.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
+  checkpointing.save_config(workdir, sft)
+  with checkpointing.manager(workdir) as mngr:
+    checkpointing.save(mngr, 0, trainer.init_state(sft, setup, params))
+  return params
+
+
+def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
+  sft, config = tiny_configs()
+  sft_dir = str(tmp_path / "sft")
+  sft_params = save_sft_run(sft, sft_dir)
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  last = sdrl.train(config, straight, init_from=sft_dir)
+  for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/accuracy",
+              "rollout/tokens_per_forward", "rollout/steps_per_canvas", "time/rollout_share",
+              "time/update_share", "loss"):
+    assert np.isfinite(last[key]), key
+  assert last["states/replay_agreement"] == 1.0
+  sdrl.train(config, resumed, stop_at=2, init_from=sft_dir)
+  assert checkpointing.latest_step(resumed) == 2
+  sdrl.train(config, resumed)
+
+  *_, a, _, step_a = trainer.restore_run(straight)  # as eval.py reads a run
+  *_, b, _, step_b = trainer.restore_run(resumed)
+  assert step_a == step_b == 4
+  jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+  assert not np.array_equal(a["params"]["embedding"], sft_params["embedding"])  # it trained
+
+
+def test_a_new_run_needs_init_from(tmp_path):
+  _, config = tiny_configs()
+  with pytest.raises(checkpointing.CheckpointError, match="--init_from"):
+    sdrl.train(config, str(tmp_path / "run"))
