@@ -66,15 +66,5 @@ def restore(mngr, step: int, abstract_state):
   return mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
 
 
-def restore_latest(workdir: str, abstract_state):
-  """The latest checkpoint of a workdir; raises CheckpointError naming the directory if none."""
-  step = latest_step(workdir)
-  if step is None:
-    raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)!r} "
-                          "(train first, or check --workdir)")
-  with manager(workdir, read_only=True) as mngr:
-    return step, restore(mngr, step, abstract_state)
-
-
 def abstract(tree):
   return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)

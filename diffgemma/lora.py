@@ -199,6 +199,3 @@ def merge(base: Params, adapters: Params, cfg: LoraConfig, dtype=None) -> Params
 
   return jax.tree_util.tree_map_with_path(visit, base)
 
-
-def count(adapters: Params) -> int:
-  return int(sum(x.size for x in jax.tree_util.tree_leaves(adapters)))
