@@ -18,8 +18,8 @@ def get_config():
   c.max_train_minutes = 30.0
   c.log_every = 1
   c.checkpoint_every = 20
-  # Small steps: fresh Adam moments move every weight by about lr per update, and at 5e-4+
-  # a few dozen updates cost the SFT model most of its puzzle accuracy (trial runs).
+  # Small steps: a fresh Adam's first updates move every weight by about lr, and in trial runs
+  # 1e-3 and 5e-4 cost the SFT model most of its puzzle accuracy within ~20 updates.
   c.optimizer.update({"lr": 2e-4, "schedule": "constant", "warmup_steps": 10})
   c.data.curriculum_steps = 0  # the "sft" anchor trains on the target givens mix directly
   c.eval.update({"every_steps": 100, "num_puzzles": 64})
@@ -42,8 +42,8 @@ def get_config():
       "reward_weight": 1.0,
       # "none" | "kl" (to the initial parameters, on the trained states) | "sft" (the SFT loss on
       # c.data's puzzles). In short trials every fine-tuning start lost a few points of puzzle
-      # accuracy; the SFT anchor keeps the SFT objective running beside SD·RL (about one SFT
-      # step per update, a few percent of an update's time).
+      # accuracy; the SFT anchor keeps the SFT objective running beside SD·RL (one SFT step
+      # per update: about a quarter more update time in the trials).
       "anchor": "sft",
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,
@@ -61,8 +61,9 @@ def get_config():
   })
   # Rollouts stop at 16 steps with the evaluation sampler's temperatures on those steps
   # (t_n = t_min + (t_max - t_min) * n / N is linear in the step: t_min' = t_max - (t_max -
-  # t_min) * 16 / 48). A rollout batch runs until its slowest row stops; the rows past 16 steps
-  # are the ones that rarely solve the puzzle, and cutting them halves a rollout's cost.
+  # t_min) * 16 / 48). A rollout batch runs until its slowest row stops; rows past 16 steps
+  # rarely solve their puzzle, and the cut bounds a rollout (and its replay) at 16 decoder
+  # passes instead of 48. Change t_min with max_denoising_steps.
   rollout_steps = 16
   c.sdrl.rollout_sampler.max_denoising_steps = rollout_steps
   c.sdrl.rollout_sampler.t_min = c.sampler.t_max - (

@@ -505,18 +505,18 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   Returns the last logged metrics.
   """
   config = ml_collections.ConfigDict(config.to_dict())  # adopting an architecture edits it
+  start_step = checkpointing.latest_step(workdir)
+  if start_step is None and not init_from:
+    raise checkpointing.CheckpointError(
+        "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")
   os.makedirs(workdir, exist_ok=True)
   mngr = checkpointing.manager(workdir, keep=config.keep_checkpoints)
-  start_step = mngr.latest_step()
   if start_step is not None:
     # The SFT trainer's state layout, so eval.py and sample.py read SD·RL runs unchanged.
     config, _, state, _, start_step = trainer.restore_run(workdir, config)
     print(f"resumed from step {start_step} in {workdir}" +
           (" (--init_from applies only to a new run)" if init_from else ""))
   else:
-    if not init_from:
-      raise checkpointing.CheckpointError(
-          "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")
     start_step = 0
     print(f"initialising from {init_from}")
     params = trainer.load_initial_params(config, init_from)
@@ -542,7 +542,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
 
   generate_fn = sampler.make_generate_fn(model_cfg, rollout_cfg)
   anchor_batches = (data.train_batches(config.data, cfg.anchor_batch_size,
-                                       config.num_train_steps, start_step)
+                                       config.num_train_steps, start_step,
+                                       model_cfg.canvas_length)
                     if cfg.anchor == "sft" else None)
   writer = ScalarWriter(os.path.join(workdir, "tensorboard"))
   eval_puzzles, eval_solutions = (trainer.held_out_puzzles(config.eval)

@@ -19,9 +19,48 @@ from diffgemma import (
   sudoku,
   trainer,
 )
-from diffgemma.config import tiny
 
-CFG = tiny(canvas_length=4, num_layers=2)  # one sliding and one full layer
+
+def tiny_configs():
+  """A tiny SFT config and the SD·RL config on top of it (same model, tiny sampler budgets)."""
+  sft = sft_sudoku.get_config()
+  sft.model.update({
+      "vocab_size": 16, "hidden_size": 16, "intermediate_size": 24, "num_layers": 2,
+      "num_heads": 2, "num_kv_heads": 1, "head_dim": 8, "global_head_dim": 8,
+      "num_global_kv_heads": 1, "num_experts": 4, "top_k_experts": 2,
+      "moe_intermediate_size": 8, "moe_impl": "ragged_dot", "layer_types": (),
+      "canvas_length": 27})  # three canvases per solution
+  sft.data.update({"prompt_format": "digits", "num_threads": 0})
+  sft.eval.every_steps = 0
+  config = sdrl_sudoku.get_config()
+  config.update({key: sft[key] for key in ("model", "data", "eval")})
+  config.update({"num_train_steps": 4, "checkpoint_every": 2, "log_every": 1})
+  config.sdrl.update({"group_size": 2, "prompts_per_rollout": 2, "updates_per_rollout": 2,
+                      "states_per_trajectory": 2, "anchor": "none"})
+  config.sdrl.reward.partial_credit = "cells"
+  # Stop on a stable argmax alone (threshold above log V), so rows stop at different steps.
+  config.sdrl.rollout_sampler.update({"max_denoising_steps": 4, "confidence_threshold": 100.0})
+  config.sdrl.prompts.update({"min_givens": 44, "max_givens": 46})
+  return sft, config
+
+
+def save_sft_run(sft, workdir):
+  """A saved SFT run at step 0 (trainer layout: config.json + an orbax state checkpoint).
+
+  The default (small) init: a large-weight random model is chaotic along a trajectory (float
+  rounding differences between two compiled programs grow into flipped expert choices and
+  argmaxes within a few steps), so the replay checks need a tame one, as a trained model is.
+  """
+  setup = trainer.make_setup(sft)
+  params = model.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
+  checkpointing.save_config(workdir, sft)
+  with checkpointing.manager(workdir) as mngr:
+    checkpointing.save(mngr, 0, trainer.init_state(sft, setup, params))
+  return params
+
+
+# The loop test's model (two layers: one sliding, one full) for every test: one set of programs.
+CFG = trainer.model_config(tiny_configs()[1])
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,10 +74,8 @@ def fast_compile():
 
 @pytest.fixture(scope="module")
 def params():
-  # The default (small) init: a large-weight random model is chaotic along a trajectory (float
-  # rounding differences between two compiled programs grow into flipped expert choices and
-  # argmaxes within a few steps), so the replay check needs a tame one, as a trained model is.
-  # An "rbg" key: threefry's op-by-op compiles make init several times slower on CPU.
+  # As save_sft_run's (one compiled init). An "rbg" key: threefry's op-by-op compiles make init
+  # several times slower on CPU.
   return model.init_params(CFG, jax.random.key(0, impl="rbg"))
 
 
@@ -188,31 +225,38 @@ def test_rl_loss_matches_hand_computation(params):
 # ----------------------------------------------------------------------------- replay
 
 
-def test_replay_reproduces_the_recorded_trajectory(params):
+def test_replay_reproduces_the_recorded_trajectory(tmp_path):
   """Replaying the sampler's steps on the recorded canvases, with the sampler's keys, gives the
   recorded argmax at every step and the recorded next canvas; the prepared training states
   (canvas + self-conditioning) make the decoder produce the recorded argmax of their step.
-  Two canvases, so the second one's states sit after a committed first. (The fused step's
-  self-conditioning is replayed in the loop test.)"""
-  # Stop on a stable argmax alone (threshold above log V), so rows stop at different steps.
-  scfg = sampler.SamplerConfig(max_denoising_steps=6, max_new_tokens=2 * CFG.canvas_length,
-                               confidence_threshold=100.0, record_trajectory=True)
-  b, p = 4, 3
-  prompt = jnp.asarray(np.random.default_rng(1).integers(3, CFG.vocab_size, (b, p)), jnp.int32)
-  valid = jnp.ones((b, p), bool)
-  gen_rng = jax.random.PRNGKey(5)
-  out = sampler.make_generate_fn(CFG, scfg)(params, prompt, valid, gen_rng)
+
+  The loop test's model, sampler and rollout shapes (so the compiled programs serve both): three
+  canvases of 27, so later canvases' states sit after committed ones.
+  """
+  sft, config = tiny_configs()
+  save_sft_run(sft, str(tmp_path / "sft"))
+  params = trainer.load_initial_params(config, str(tmp_path / "sft"))  # placed as the loop's
+  model_cfg, scfg = trainer.model_config(config), sdrl.rollout_sampler_config(config)
+  cfg = sdrl.sdrl_config(config)
+  prompt, valid, _ = sdrl.rollout_prompts(cfg, 0, config.data.prompt_format)
+  b, p, c = prompt.shape[0], prompt.shape[1], model_cfg.canvas_length
+  # Keys replicated over the params' mesh, as the loop's (the same compiled programs).
+  on_mesh = jax.sharding.NamedSharding(params["embedding"].sharding.mesh,
+                                       jax.sharding.PartitionSpec())
+  gen_rng = jax.device_put(jax.random.PRNGKey(5), on_mesh)
+  out = sampler.make_generate_fn(model_cfg, scfg)(params, prompt, valid, gen_rng)
   traj = out["trajectory"]
   steps = np.asarray(traj["valid"]).sum(1)  # [K, B]
-  assert steps[0].min() >= 1 and steps.max() <= 6
+  assert steps.shape == (3, b) and steps[0].min() >= 1 and len(np.unique(steps)) > 1
 
   replay = jax.jit(sdrl.replay, static_argnums=(1, 2))
   cache = jax.jit(sdrl.encode_context, static_argnums=1)(
-      params, CFG, prompt, valid, sdrl.context_tokens(out["tokens"], CFG))
-  for k in range(2):
+      params, model_cfg, prompt, valid, sdrl.context_tokens(out["tokens"], model_cfg))
+  for k in range(3):
     loop_key = jax.random.split(jax.random.fold_in(gen_rng, k))[1]  # denoise_canvas's
-    canvas_cache = dict(cache, end=jnp.asarray(p + k * CFG.canvas_length))
-    got = replay(params, CFG, scfg, canvas_cache, traj["canvas"][k], traj["valid"][k], loop_key)
+    canvas_cache = dict(cache, end=jnp.asarray(p + k * c))
+    got = replay(params, model_cfg, scfg, canvas_cache, traj["canvas"][k], traj["valid"][k],
+                 loop_key)
     ran = np.asarray(traj["valid"][k])
     np.testing.assert_array_equal(np.asarray(got["argmax"])[ran],
                                   np.asarray(traj["argmax"][k])[ran])
@@ -220,25 +264,35 @@ def test_replay_reproduces_the_recorded_trajectory(params):
     np.testing.assert_array_equal(np.asarray(got["canvas"])[:-1][fed_next],
                                   np.asarray(traj["canvas"][k])[1:][fed_next])
 
-  cfg = sdrl.SdrlConfig(mode="both", group_size=2, prompts_per_rollout=2,
-                        state_selection="all")
-  batch = jax.jit(sdrl.prepare_states, static_argnums=(1, 2, 3))(
-      params, CFG, scfg, cfg, prompt, valid, out, jnp.ones(b), jax.random.PRNGKey(0))
+  batch = sdrl.prepare_states(params, model_cfg, scfg, cfg, prompt, valid, out,
+                              sdrl.advantages(np.ones(b), cfg),
+                              jax.device_put(jax.random.PRNGKey(0), on_mesh))
   assert float(batch["replay_agreement"]) == 1.0
   ok = np.asarray(batch["valid_U"])
-  assert ok.sum() == steps.sum()  # "all": every step every row ran
+  row_U, step_U = np.asarray(batch["row_U"]), np.asarray(batch["step_U"])
+  k_U = (np.asarray(batch["prefix_len_U"]) - p) // c
+  assert ok.any() and (ok == (steps[k_U, row_U] > 0)).all()
+  assert (step_U[ok] < steps[k_U, row_U][ok]).all()
   cache_U = sdrl._take_rows(cache, batch["row_U"])
   logits = jax.jit(model.decode, static_argnums=1)(
-      params, CFG, batch["canvas_UxC"], cache_U, batch["prefix_len_U"], None, None,
+      params, model_cfg, batch["canvas_UxC"], cache_U, batch["prefix_len_U"], None, None,
       batch["self_cond_UxCxD"])
-  step_U = np.asarray(batch["step_U"])
-  k_U = (np.asarray(batch["prefix_len_U"]) - p) // CFG.canvas_length
-  recorded = np.asarray(traj["argmax"])[k_U, np.maximum(step_U, 0), np.asarray(batch["row_U"])]
+  recorded = np.asarray(traj["argmax"])[k_U, np.maximum(step_U, 0), row_U]
   np.testing.assert_array_equal(np.asarray(jnp.argmax(logits, -1))[ok], recorded[ok])
   # Targets: the last argmax of the canvas's trajectory.
-  last = np.asarray(traj["argmax"])[k_U, np.maximum(steps[k_U, batch["row_U"]] - 1, 0),
-                                    np.asarray(batch["row_U"])]
+  last = np.asarray(traj["argmax"])[k_U, np.maximum(steps[k_U, row_U] - 1, 0), row_U]
   np.testing.assert_array_equal(np.asarray(batch["target_UxC"])[ok], last[ok])
+
+
+def test_fused_step_self_conditioning_is_its_carried_embedding(params):
+  scfg = sampler.SamplerConfig(fused_step=True)
+  state = sampler.init_denoise_state(params, CFG, scfg, jax.random.PRNGKey(0), 2)
+  emb = jnp.asarray(np.random.default_rng(0).normal(size=(2, CFG.canvas_length,
+                                                          CFG.hidden_size)), jnp.float32)
+  state = state._replace(self_cond_embedding_BxCxD=emb)
+  np.testing.assert_array_equal(sdrl._self_cond_embedding(params, CFG, scfg, state), 0.0)
+  state = state._replace(step=jnp.ones((), jnp.int32))  # the first step has none
+  np.testing.assert_array_equal(sdrl._self_cond_embedding(params, CFG, scfg, state), emb)
 
 
 def test_state_selection():
@@ -324,38 +378,6 @@ def test_bad_config_values_fail_with_one_line():
 
 
 # ----------------------------------------------------------------------------- the loop
-
-
-def tiny_configs():
-  """A tiny SFT config and the SD·RL config on top of it (same model, tiny sampler budgets)."""
-  sft = sft_sudoku.get_config()
-  sft.model.update({
-      "vocab_size": 16, "hidden_size": 16, "intermediate_size": 24, "num_layers": 2,
-      "num_heads": 2, "num_kv_heads": 1, "head_dim": 8, "global_head_dim": 8,
-      "num_global_kv_heads": 1, "num_experts": 4, "top_k_experts": 2,
-      "moe_intermediate_size": 8, "moe_impl": "ragged_dot", "layer_types": ()})
-  sft.data.update({"prompt_format": "digits", "num_threads": 0})
-  sft.eval.every_steps = 0
-  config = sdrl_sudoku.get_config()
-  config.update({key: sft[key] for key in ("model", "data", "eval")})
-  config.update({"num_train_steps": 4, "checkpoint_every": 2, "log_every": 1})
-  config.sdrl.update({"group_size": 2, "prompts_per_rollout": 2, "updates_per_rollout": 2,
-                      "states_per_trajectory": 2, "anchor": "none"})
-  config.sdrl.reward.partial_credit = "cells"
-  # The fused step's self-conditioning embedding goes through the replay here.
-  config.sdrl.rollout_sampler.update({"max_denoising_steps": 3, "fused_step": True})
-  config.sdrl.prompts.update({"min_givens": 44, "max_givens": 46})
-  return sft, config
-
-
-def save_sft_run(sft, workdir):
-  """A saved SFT run at step 0 (trainer layout: config.json + an orbax state checkpoint)."""
-  setup = trainer.make_setup(sft)
-  params = model.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
-  checkpointing.save_config(workdir, sft)
-  with checkpointing.manager(workdir) as mngr:
-    checkpointing.save(mngr, 0, trainer.init_state(sft, setup, params))
-  return params
 
 
 def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
