@@ -1,5 +1,6 @@
 """LoRA (adapters on every linear, merge, checkpoint resume) and training sharded over devices."""
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ def _random_adapters(params, lora_cfg, seed):
           for name, f in adapters.items()}
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one compile per pytree, not op-by-op dispatch
 def _decode_logits(params, cfg):
   rng = jax.random.PRNGKey(3)
   prompt = jax.random.randint(rng, (2, 11), 3, cfg.vocab_size)
