@@ -44,7 +44,6 @@ from diffgemma import (
   checkpointing,
   data,
   diffusion,
-  evaluation,
   losses,
   model,
   rewards,
@@ -546,12 +545,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
                                        model_cfg.canvas_length)
                     if cfg.anchor == "sft" else None)
   writer = ScalarWriter(os.path.join(workdir, "tensorboard"))
-  eval_puzzles, eval_solutions = (trainer.held_out_puzzles(config.eval)
-                                  if config.eval.every_steps > 0 else (None, None))
+  eval_set = (trainer.held_out_puzzles(config.eval) if config.eval.every_steps > 0
+              else (None, None))
   eval_generate_fn = sampler.make_generate_fn(model_cfg, eval_sampler_cfg)
   stops = sampler.stop_ids(model_cfg, rollout_cfg)
 
-  deadline = time.time() + 60 * config.max_train_minutes if config.max_train_minutes > 0 else None
+  end_time = trainer.deadline(config)
   last = {}
   bar = tqdm(total=config.num_train_steps, initial=start_step, desc="sdrl", unit="update",
              dynamic_ncols=True)
@@ -603,21 +602,13 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
                f"update {metrics['time/update_share']:.0%}")
       last.update(metrics)
 
-      timed_out = deadline is not None and time.time() > deadline
+      timed_out = end_time is not None and time.time() > end_time
       final = step >= config.num_train_steps
       stopping = timed_out or (stop_at is not None and step >= stop_at)
       if config.eval.every_steps > 0 and (step % config.eval.every_steps < n_updates or final
                                           or stopping):
-        eval_metrics = evaluation.evaluate_sudoku(
-            state["params"], model_cfg, eval_sampler_cfg, eval_puzzles, eval_solutions,
-            config.eval.batch_size, config.data.prompt_format, seed=step,
-            generate_fn=eval_generate_fn)
-        writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
-        tqdm.write(f"step {step}: eval puzzle_accuracy={eval_metrics['puzzle_accuracy']:.3f} "
-                   f"cell_accuracy={eval_metrics['cell_accuracy']:.3f} "
-                   f"TPF={eval_metrics['tokens_per_forward']:.2f} "
-                   f"steps/canvas={eval_metrics['steps_per_canvas']:.1f}")
-        last.update({f"eval/{k}": v for k, v in eval_metrics.items()})
+        last.update(trainer.evaluate_and_log(step, state["params"], model_cfg, eval_sampler_cfg,
+                                             config, eval_set, eval_generate_fn, writer))
       if step % config.checkpoint_every == 0 or final or stopping:
         checkpointing.save(mngr, step, state)
       if timed_out:

@@ -198,6 +198,18 @@ def activation_rules(mesh: Mesh, rules: dict[str, str]):
     _ACTIVE.reset(token)
 
 
+def batch_shards(batch: int) -> int:
+  """Into how many pieces `constrain` splits a batch axis of this size (1 outside
+  `activation_rules`)."""
+  active = _ACTIVE.get()
+  if active is None:
+    return 1
+  mesh, rules = active
+  entry = partition_spec(("batch",), (batch,), mesh, rules)[0]
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def constrain(x, axes: tuple[str, ...]):
   """with_sharding_constraint by logical axes; a no-op outside `activation_rules` or on a mesh
   of one device."""

@@ -290,6 +290,28 @@ def held_out_puzzles(eval_cfg):
                                  eval_cfg.max_givens)
 
 
+def deadline(config) -> float | None:
+  """Wall-clock time at which `max_train_minutes` ends a run (None: no limit)."""
+  return time.time() + 60 * config.max_train_minutes if config.max_train_minutes > 0 else None
+
+
+def evaluate_and_log(step, params, model_cfg: ModelConfig, sampler_cfg, config, eval_set,
+                     generate_fn, writer) -> dict[str, float]:
+  """The periodic held-out Sudoku evaluation of SFT and SD·RL runs: written to TensorBoard,
+  printed above the progress bar, returned as eval/* metrics."""
+  puzzles, solutions = eval_set
+  metrics = evaluation.evaluate_sudoku(params, model_cfg, sampler_cfg, puzzles, solutions,
+                                       config.eval.batch_size, config.data.prompt_format,
+                                       seed=step, generate_fn=generate_fn)
+  tqdm.write(f"step {step}: eval puzzle_accuracy={metrics['puzzle_accuracy']:.3f} "
+             f"cell_accuracy={metrics['cell_accuracy']:.3f} "
+             f"TPF={metrics['tokens_per_forward']:.2f} "
+             f"steps/canvas={metrics['steps_per_canvas']:.1f}")
+  metrics = {f"eval/{k}": v for k, v in metrics.items()}
+  writer.write(step, metrics)
+  return metrics
+
+
 def abstract_state(config, setup: Setup, frozen_shape=None):
   """Shapes, dtypes and shardings of the training state (nothing allocated)."""
   shapes = jax.eval_shape(lambda f: init_state(config, setup, frozen=f), frozen_shape)
@@ -413,8 +435,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
                                start_step, model_cfg.canvas_length,
                                jax.process_index(), jax.process_count())
   writer = ScalarWriter(os.path.join(workdir, "tensorboard"))
-  eval_puzzles, eval_solutions = (held_out_puzzles(config.eval) if config.eval.every_steps > 0
-                                  else (None, None))
+  eval_set = held_out_puzzles(config.eval) if config.eval.every_steps > 0 else (None, None)
   generate_fn = sampler.make_generate_fn(model_cfg, sampler_cfg)
   tokens_per_batch = config.batch_size * seq_len
 
@@ -422,7 +443,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
     saved = state if not (frozen is not None and lora_cfg.save_base) else {**state, "base": frozen}
     checkpointing.save(mngr, step, saved)
 
-  deadline = time.time() + 60 * config.max_train_minutes if config.max_train_minutes > 0 else None
+  end_time = deadline(config)
   metrics, last = {}, {}
   window_start, window_steps = time.perf_counter(), 0
   bar = tqdm(total=config.num_train_steps, initial=start_step, desc="train", unit="step",
@@ -444,22 +465,14 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
         writer.write(step, metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['decoder_token_accuracy']:.3f}")
         last.update(metrics)
-      timed_out = deadline is not None and time.time() > deadline
+      timed_out = end_time is not None and time.time() > end_time
       stopping = timed_out or step == stop_at
       final = step == config.num_train_steps
       if config.eval.every_steps > 0 and (step % config.eval.every_steps == 0 or final or timed_out):
         params = (state["params"] if frozen is None
                   else lora.merge(frozen, state["params"], lora_cfg, model_cfg.compute_dtype))
-        eval_metrics = evaluation.evaluate_sudoku(
-            params, model_cfg, sampler_cfg, eval_puzzles, eval_solutions,
-            config.eval.batch_size, config.data.prompt_format, seed=step,
-            generate_fn=generate_fn)
-        writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
-        tqdm.write(f"step {step}: eval puzzle_accuracy={eval_metrics['puzzle_accuracy']:.3f} "
-                   f"cell_accuracy={eval_metrics['cell_accuracy']:.3f} "
-                   f"TPF={eval_metrics['tokens_per_forward']:.2f} "
-                   f"steps/canvas={eval_metrics['steps_per_canvas']:.1f}")
-        last.update({f"eval/{k}": v for k, v in eval_metrics.items()})
+        last.update(evaluate_and_log(step, params, model_cfg, sampler_cfg, config, eval_set,
+                                     generate_fn, writer))
         window_start = time.perf_counter()  # eval time is not training throughput
         window_steps = 0
       if step % config.checkpoint_every == 0 or final or stopping:

@@ -52,6 +52,25 @@ def test_tiled_moe_equals_ragged_dot_forward_and_grad(tile, impl):
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), g_t, g_r)
 
 
+@pytest.mark.parametrize("impl", ["tiled", "tiled_scan"])
+def test_moe_per_batch_shard_equals_one_sort(impl):
+  """Sorting each batch shard's tokens apart (sharded training) changes nothing but the order."""
+  cfg = tiny(moe_impl=impl, moe_tile_size=4)
+  experts = model.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]["experts"]
+  x = jax.random.normal(jax.random.PRNGKey(1), (24, cfg.hidden_size))
+  weights = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(2), (24, cfg.top_k_experts)))
+  index = jax.random.randint(jax.random.PRNGKey(3), (24, cfg.top_k_experts), 1, cfg.num_experts)
+
+  def run(shards):
+    f = lambda x, e: (model.moe(x, weights, index, e, cfg) if shards == 1 else
+                      model.moe_per_batch_shard(x, weights, index, e, cfg, shards))
+    return jax.jit(jax.value_and_grad(lambda x, e: (f(x, e) ** 2).sum(), (0, 1)))(x, experts)
+
+  (y1, g1), (y3, g3) = run(1), run(3)
+  np.testing.assert_allclose(y3, y1, rtol=1e-5)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), g3, g1)
+
+
 def test_moe_matches_per_token_loop():
   """Against the definition: each token sums its top-k experts' gated MLPs times weights."""
   cfg = tiny()

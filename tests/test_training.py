@@ -121,7 +121,12 @@ def test_training_resumes_exactly(tmp_path):
   config = tiny_sudoku_config(workdir_steps=4)
   straight = str(tmp_path / "straight")
   resumed = str(tmp_path / "resumed")
-  trainer.train(config, straight)
+  # The straight run also evaluates at its end: evaluation must not perturb training.
+  with_eval = config.copy_and_resolve_references()
+  with_eval.eval.update(dict(every_steps=4, num_puzzles=2, batch_size=2))
+  with_eval.sampler.max_denoising_steps = 2
+  straight_last = trainer.train(with_eval, straight)
+  assert 0.0 <= straight_last["eval/cell_accuracy"] <= 1.0
   trainer.train(config, resumed, stop_at=2)
   last = trainer.train(config, resumed)
   assert np.isfinite(last["loss"])
