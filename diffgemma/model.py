@@ -285,24 +285,28 @@ class ExpertGroups(NamedTuple):
     return rows.reshape(-1, rows.shape[-1])[self.row_M]
 
 
-def expert_matmul(rows, w, groups: ExpertGroups):
+def expert_matmul(rows, w, groups: ExpertGroups, frozen: bool = False):
   """Each row (in `groups`' layout) times its expert's matrix, w [E, in, out]; a LoraWeight adds
-  its per-expert low-rank path, (rows @ A_e) @ B_e, in the same grouped layout."""
+  its per-expert low-rank path, (rows @ A_e) @ B_e, in the same grouped layout. `frozen`: w gets
+  no gradient (a LoRA base), so "tiled_scan" does not accumulate one."""
   if isinstance(w, lora.LoraWeight):
     low_rank = expert_matmul(expert_matmul(w.low_rank_input(rows), w.a, groups), w.b, groups)
-    return expert_matmul(rows, w.base, groups) + jnp.asarray(w.scale, rows.dtype) * low_rank
+    return (expert_matmul(rows, w.base, groups, frozen=True)
+            + jnp.asarray(w.scale, rows.dtype) * low_rank)
   if groups.tile_expert_T is None:
     return jax.lax.ragged_dot(rows, w.astype(rows.dtype), groups.group_sizes_E)
   if groups.one_tile_at_a_time:
-    return _tile_matmul_scan(rows, w, groups.tile_expert_T)
+    return _tile_matmul_scan(rows, w, groups.tile_expert_T, not frozen)
   return jnp.einsum("nti,nio->nto", rows, w[groups.tile_expert_T].astype(rows.dtype))
 
 
-@jax.custom_vjp
-def _tile_matmul_scan(rows_NxtxI, w_ExIxO, tile_expert_N):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tile_matmul_scan(rows_NxtxI, w_ExIxO, tile_expert_N, weight_grad: bool):
   """Tile n's rows times its expert's matrix, [N, t, I] x [E, I, O] -> [N, t, O], one tile per
   lax.scan step: only one expert's matrix is gathered at a time (the batched form gathers as
-  much as all the layer's experts). The backward pass loops the same way."""
+  much as all the layer's experts). The backward pass loops the same way; with `weight_grad`
+  False it returns a zero weight gradient instead of carrying an [E, I, O] float32 sum through
+  the loop (XLA does not remove unused loop state)."""
   def step(_, xs):
     rows_txI, expert = xs
     return None, rows_txI @ w_ExIxO[expert].astype(rows_txI.dtype)
@@ -310,21 +314,27 @@ def _tile_matmul_scan(rows_NxtxI, w_ExIxO, tile_expert_N):
   return jax.lax.scan(step, None, (rows_NxtxI, tile_expert_N))[1]
 
 
-def _tile_matmul_scan_fwd(rows_NxtxI, w_ExIxO, tile_expert_N):
-  out = _tile_matmul_scan(rows_NxtxI, w_ExIxO, tile_expert_N)
+def _tile_matmul_scan_fwd(rows_NxtxI, w_ExIxO, tile_expert_N, weight_grad):
+  out = _tile_matmul_scan(rows_NxtxI, w_ExIxO, tile_expert_N, weight_grad)
   return out, (rows_NxtxI, w_ExIxO, tile_expert_N)
 
 
-def _tile_matmul_scan_bwd(residuals, grad_NxtxO):
+def _tile_matmul_scan_bwd(weight_grad, residuals, grad_NxtxO):
   rows_NxtxI, w_ExIxO, tile_expert_N = residuals
+
+  def grad_rows_step(rows_txI, grad_txO, expert):
+    return (grad_txO @ w_ExIxO[expert].astype(grad_txO.dtype).T).astype(rows_txI.dtype)
+
+  if not weight_grad:
+    grad_rows = jax.lax.scan(lambda _, xs: (None, grad_rows_step(*xs)), None,
+                             (rows_NxtxI, grad_NxtxO, tile_expert_N))[1]
+    return grad_rows, jnp.zeros_like(w_ExIxO), None
 
   def step(grad_w, xs):
     rows_txI, grad_txO, expert = xs
-    grad_rows = grad_txO @ w_ExIxO[expert].astype(grad_txO.dtype).T
-    # The weight gradient is dropped (and its work removed by XLA) for frozen weights.
     grad_w = grad_w.at[expert].add((rows_txI.T @ grad_txO.astype(rows_txI.dtype)).astype(
         grad_w.dtype))
-    return grad_w, grad_rows.astype(rows_txI.dtype)
+    return grad_w, grad_rows_step(*xs)
 
   grad_w, grad_rows = jax.lax.scan(step, jnp.zeros(w_ExIxO.shape, jnp.float32),
                                    (rows_NxtxI, grad_NxtxO, tile_expert_N))
