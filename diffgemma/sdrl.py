@@ -616,8 +616,5 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
       if stopping:
         break
   finally:
-    bar.close()
-    mngr.wait_until_finished()
-    mngr.close()
-    writer.close()
+    trainer.close_run(bar, mngr, writer)
   return last

@@ -295,6 +295,14 @@ def deadline(config) -> float | None:
   return time.time() + 60 * config.max_train_minutes if config.max_train_minutes > 0 else None
 
 
+def close_run(bar, mngr, writer):
+  """End of an SFT or SD·RL loop: the progress bar, pending checkpoint writes, TensorBoard."""
+  bar.close()
+  mngr.wait_until_finished()
+  mngr.close()
+  writer.close()
+
+
 def evaluate_and_log(step, params, model_cfg: ModelConfig, sampler_cfg, config, eval_set,
                      generate_fn, writer) -> dict[str, float]:
   """The periodic held-out Sudoku evaluation of SFT and SD·RL runs: written to TensorBoard,
@@ -482,10 +490,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
       if stopping:
         break
   finally:
-    bar.close()
-    mngr.wait_until_finished()
-    mngr.close()
-    writer.close()
+    close_run(bar, mngr, writer)
   return last
 
 
