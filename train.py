@@ -8,6 +8,9 @@
 Rerunning on the same workdir resumes exactly (step, optimizer, data position, RNG).
 """
 
+import math
+import os
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -32,14 +35,9 @@ _DISTRIBUTED = flags.DEFINE_bool(
 
 def simulate_devices(config) -> None:
   """Ask XLA for N host (CPU) devices before JAX starts, for a --dry_run without hardware."""
-  import os
-
   n = _DRY_RUN_DEVICES.value
-  if n is None:
-    sizes = [config.sharding.get(a, 1) for a in ("data", "fsdp", "expert", "tensor")]
-    n = 1
-    for size in sizes:
-      n *= max(size, 1)
+  if n is None:  # -1 ("the rest") counts as 1
+    n = math.prod(max(config.sharding.get(a, 1), 1) for a in ("data", "fsdp", "expert", "tensor"))
   flags_ = [f"--xla_force_host_platform_device_count={n}",
             # Schedule for memory, not concurrency, as a GPU compile would (else the CPU plan
             # holds many layers' temporaries at once); skip costly codegen nobody will run.
