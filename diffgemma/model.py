@@ -300,6 +300,20 @@ def expert_matmul(rows, w, groups: ExpertGroups, frozen: bool = False):
   return jnp.einsum("nti,nio->nto", rows, w[groups.tile_expert_T].astype(rows.dtype))
 
 
+def _scan_tiles_with_weights(step, w_ExIxO, init, xs):
+  """lax.scan of step(w, carry, xs) -> (carry, y) that reads an [E, I, O] weight loop-invariantly.
+  The weight rides in the loop state behind an optimization barrier so that it looks
+  loop-variant: otherwise XLA:CPU converts the whole bf16 weight to float32 for its dots and
+  hoists that copy (4 bytes x E x I x O) out of the loop, defeating one-expert-at-a-time."""
+  def body(state, xs):
+    w, carry = jax.lax.optimization_barrier(state)
+    carry, y = step(w, carry, xs)
+    return (w, carry), y
+
+  (_, carry), ys = jax.lax.scan(body, (w_ExIxO, init), xs)
+  return carry, ys
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _tile_matmul_scan(rows_NxtxI, w_ExIxO, tile_expert_N, weight_grad: bool):
   """Tile n's rows times its expert's matrix, [N, t, I] x [E, I, O] -> [N, t, O], one tile per
@@ -307,11 +321,11 @@ def _tile_matmul_scan(rows_NxtxI, w_ExIxO, tile_expert_N, weight_grad: bool):
   much as all the layer's experts). The backward pass loops the same way; with `weight_grad`
   False it returns a zero weight gradient instead of carrying an [E, I, O] float32 sum through
   the loop (XLA does not remove unused loop state)."""
-  def step(_, xs):
+  def step(w, _, xs):
     rows_txI, expert = xs
-    return None, rows_txI @ w_ExIxO[expert].astype(rows_txI.dtype)
+    return None, rows_txI @ w[expert].astype(rows_txI.dtype)
 
-  return jax.lax.scan(step, None, (rows_NxtxI, tile_expert_N))[1]
+  return _scan_tiles_with_weights(step, w_ExIxO, None, (rows_NxtxI, tile_expert_N))[1]
 
 
 def _tile_matmul_scan_fwd(rows_NxtxI, w_ExIxO, tile_expert_N, weight_grad):
@@ -321,23 +335,24 @@ def _tile_matmul_scan_fwd(rows_NxtxI, w_ExIxO, tile_expert_N, weight_grad):
 
 def _tile_matmul_scan_bwd(weight_grad, residuals, grad_NxtxO):
   rows_NxtxI, w_ExIxO, tile_expert_N = residuals
+  xs = (rows_NxtxI, grad_NxtxO, tile_expert_N)
 
-  def grad_rows_step(rows_txI, grad_txO, expert):
-    return (grad_txO @ w_ExIxO[expert].astype(grad_txO.dtype).T).astype(rows_txI.dtype)
+  def grad_rows_step(w, rows_txI, grad_txO, expert):
+    return (grad_txO @ w[expert].astype(grad_txO.dtype).T).astype(rows_txI.dtype)
 
   if not weight_grad:
-    grad_rows = jax.lax.scan(lambda _, xs: (None, grad_rows_step(*xs)), None,
-                             (rows_NxtxI, grad_NxtxO, tile_expert_N))[1]
+    grad_rows = _scan_tiles_with_weights(lambda w, _, xs: (None, grad_rows_step(w, *xs)),
+                                         w_ExIxO, None, xs)[1]
     return grad_rows, jnp.zeros_like(w_ExIxO), None
 
-  def step(grad_w, xs):
+  def step(w, grad_w, xs):
     rows_txI, grad_txO, expert = xs
     grad_w = grad_w.at[expert].add((rows_txI.T @ grad_txO.astype(rows_txI.dtype)).astype(
         grad_w.dtype))
-    return grad_w, grad_rows_step(*xs)
+    return grad_w, grad_rows_step(w, *xs)
 
-  grad_w, grad_rows = jax.lax.scan(step, jnp.zeros(w_ExIxO.shape, jnp.float32),
-                                   (rows_NxtxI, grad_NxtxO, tile_expert_N))
+  grad_w, grad_rows = _scan_tiles_with_weights(
+      step, w_ExIxO, jnp.zeros(w_ExIxO.shape, jnp.float32), xs)
   return grad_rows, grad_w.astype(w_ExIxO.dtype), None
 
 
