@@ -8,6 +8,7 @@ One encoder pass over the clean sequence fills the KV cache that the decoder rea
 from __future__ import annotations
 
 import dataclasses
+import fractions
 
 import jax
 import jax.numpy as jnp
@@ -95,26 +96,48 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, batch, rng):
   return total, metrics
 
 
+def self_conditioning_rows(batch: int, prob: float) -> tuple[int, int]:
+  """(k, g): the self-conditioned rows are the first k of every g consecutive rows, k / g = prob.
+
+  Spreading them evenly (instead of taking the first round(B * prob) rows) keeps the selection
+  inside each batch shard under data / FSDP sharding, and does not depend on the device count.
+  A prob with no denominator dividing the batch falls back to one group of the whole batch.
+  """
+  frac = fractions.Fraction(prob).limit_denominator(batch)
+  group = frac.denominator if batch % frac.denominator == 0 else batch
+  return round(group * prob), group
+
+
 def self_conditioned_logits(params, cfg: ModelConfig, noisy_BxC, cache, prefix_len_B,
                             self_conditioning_prob: float):
   """Decoder logits [B, C, V] under the SFT self-conditioning scheme, and its inputs.
 
-  A gradient-free first pass supplies the self-conditioning logits of the first
-  round(B * prob) rows; the rest get zeros. Callers pass rows in random order, so those rows are
-  a random subset, and the first pass runs on them only (the rest would be multiplied by zero).
-  Returns (logits_BxCxV, self-conditioning logits [B, C, V] or None, self-conditioning mask [B]).
+  A gradient-free first pass supplies the self-conditioning input of a `self_conditioning_prob`
+  share of the rows (`self_conditioning_rows`); the rest get zeros. Callers pass rows in random
+  order, so those rows are a random subset. The first pass and the soft embedding run on those
+  rows only (the rest would be multiplied by zero).
+  Returns (logits_BxCxV, self-conditioning logits [B, C, V] (zeros on the other rows) or None,
+  self-conditioning mask [B]).
   """
   b = noisy_BxC.shape[0]
-  num_sc = round(b * self_conditioning_prob)
-  sc_mask_B = jnp.arange(b) < num_sc
-  sc_logits = None
-  if num_sc:
-    head = lambda x: x[:num_sc]
-    sc_cache = {"layers": jax.tree_util.tree_map(head, cache["layers"]),
-                "valid": head(cache["valid"]), "end": cache["end"]}
-    first = jax.lax.stop_gradient(
-        model.decode(params, cfg, noisy_BxC[:num_sc], sc_cache, prefix_len_B[:num_sc]))
-    sc_logits = jnp.concatenate(
-        [first, jnp.zeros((b - num_sc,) + first.shape[1:], first.dtype)], axis=0)
-  logits = model.decode(params, cfg, noisy_BxC, cache, prefix_len_B, sc_logits, sc_mask_B)
-  return logits, sc_logits, sc_mask_B
+  k, g = self_conditioning_rows(b, self_conditioning_prob)
+  sc_mask_B = jnp.arange(b) % g < k
+  if not k:
+    logits = model.decode(params, cfg, noisy_BxC, cache, prefix_len_B, None, sc_mask_B)
+    return logits, None, sc_mask_B
+
+  def take(x):  # [B, ...] -> the self-conditioned rows [B / g * k, ...]
+    return x.reshape(b // g, g, *x.shape[1:])[:, :k].reshape(b // g * k, *x.shape[1:])
+
+  def spread(x):  # inverse of `take`, zeros on the other rows
+    x = x.reshape(b // g, k, *x.shape[1:])
+    pad = jnp.zeros((b // g, g - k) + x.shape[2:], x.dtype)
+    return jnp.concatenate([x, pad], axis=1).reshape(b, *x.shape[2:])
+
+  sc_cache = {"layers": jax.tree_util.tree_map(take, cache["layers"]),
+              "valid": take(cache["valid"]), "end": cache["end"]}
+  first = jax.lax.stop_gradient(
+      model.decode(params, cfg, take(noisy_BxC), sc_cache, take(prefix_len_B)))
+  soft_BxCxD = spread(model.self_conditioning_embedding(params, first, cfg))
+  logits = model.decode(params, cfg, noisy_BxC, cache, prefix_len_B, None, sc_mask_B, soft_BxCxD)
+  return logits, spread(first), sc_mask_B

@@ -455,10 +455,14 @@ def soft_embedding(params: Params, probs_BxCxV, cfg: ModelConfig, token_ids_BxCx
   table = params["embedding"]
   probs = probs_BxCxV.astype(table.dtype)
   if token_ids_BxCxK is None:
-    soft = probs @ table
+    # Batch-sharded probabilities and a hidden-layout output: otherwise the partitioner may
+    # gather the [B, C, V] probabilities onto every device rather than reduce the [B, C, D]
+    # product.
+    soft = sharding.constrain(probs, sharding.LOGITS) @ table
   else:
     soft = jnp.einsum("bck,bckd->bcd", probs, table[token_ids_BxCxK])
-  return (soft * jnp.asarray(cfg.hidden_size ** 0.5, table.dtype)).astype(cfg.compute_dtype)
+  soft = (soft * jnp.asarray(cfg.hidden_size ** 0.5, table.dtype)).astype(cfg.compute_dtype)
+  return sharding.constrain(soft, sharding.HIDDEN)
 
 
 # ----------------------------------------------------------------------------- cache

@@ -97,7 +97,7 @@ def state_logits(params, prompt_UxP, canvas_UxC, self_cond_UxCxD):
 @jax.jit
 def corrupted_state_logits(params, prompt_UxP, target_UxC, rng):
   """"rl" rows by hand: sdrl_loss's draws (split(rng) -> decode key -> split -> t key, noise
-  key), then the first half self-conditioned on a first pass, the rest not."""
+  key), then every other row self-conditioned on a first pass (prob 0.5), the rest not."""
   u, p = prompt_UxP.shape
   t_rng, noise_rng = jax.random.split(jax.random.split(rng)[0])
   t_U = diffusion.sample_noise_level(t_rng, u, losses.LossConfig(prompt_len=p).t_eps)
@@ -106,7 +106,7 @@ def corrupted_state_logits(params, prompt_UxP, target_UxC, rng):
   _, cache = model.encode(params, CFG, prompt_UxP, cache)
   first = model.decode(params, CFG, noisy_UxC, cache)
   return noisy_UxC, model.decode(params, CFG, noisy_UxC, cache, None, first,
-                                 jnp.arange(u) < u // 2)
+                                 jnp.arange(u) % 2 == 0)
 
 
 loss_fn = jax.jit(sdrl.sdrl_loss, static_argnums=(1, 2, 3))

@@ -90,12 +90,23 @@ def test_sft_loss_matches_hand_computation():
   noisy = diffusion.corrupt(noise_rng, jnp.asarray(clean), t, cfg.vocab_size, "linear",
                             jnp.asarray(target))
   first = decode(params, cfg, noisy, cache, jnp.asarray(start))
-  sc_mask = jnp.arange(b) < 2
+  sc_mask = jnp.arange(b) % 2 == 0  # prob 0.5: the first row of every pair
   logits = decode(params, cfg, noisy, cache, jnp.asarray(start), first, sc_mask)
   nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), clean[..., None], -1)[..., 0]
   expected_dec = (nll * target).sum() / target.sum()
   np.testing.assert_allclose(metrics["decoder_loss"], expected_dec, rtol=1e-5)
   np.testing.assert_allclose(total, 0.5 * metrics["encoder_loss"] + expected_dec, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch, prob, expected", [
+    (8, 0.5, (1, 2)), (6, 1 / 3, (1, 3)), (8, 0.75, (3, 4)), (4, 0.0, (0, 1)), (4, 1.0, (1, 1)),
+    (5, 0.5, (2, 5)), (6, 0.3, (1, 3))])
+def test_self_conditioning_rows_are_spread_evenly(batch, prob, expected):
+  """k of every g rows: each half of the batch (a device's shard) holds its own share."""
+  k, g = losses.self_conditioning_rows(batch, prob)
+  assert (k, g) == expected and batch % g == 0
+  mask = np.arange(batch) % g < k
+  assert mask.sum() == round(batch * prob) or g == batch
 
 
 def test_sudoku_examples_and_resumed_data_stream():
