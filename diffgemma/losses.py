@@ -97,7 +97,8 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, batch, rng):
 
 
 def self_conditioning_rows(batch: int, prob: float) -> tuple[int, int]:
-  """(k, g): the self-conditioned rows are the first k of every g consecutive rows, k / g = prob.
+  """(k, g): the self-conditioned rows are the first k of every g consecutive rows; k / g is
+  prob as the closest fraction with a denominator of at most `batch` (0.3 of 6 rows: 1 of 3).
 
   Spreading them evenly (instead of taking the first round(B * prob) rows) keeps the selection
   inside each batch shard under data / FSDP sharding, and does not depend on the device count.
