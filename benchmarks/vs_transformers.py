@@ -30,6 +30,12 @@ runs its default path: DynamicCache, eager PyTorch with `--reference_attention`,
 is not measured). Set --branch_scale=1 --token_norm_spread=0 for plain random weights.
 Compilation and warm-up happen before the timed calls; each implementation's calls run as one
 block after a pause (see `timings`).
+
+Roofline: (a) and (c) also print each side's achieved GFLOP/s, counting the useful FLOPs of the
+work (the reference's matmuls and attention under torch's FlopCounterMode: its MoE multiplies
+only the rows routed to each expert, so padding or masking on either side is not counted),
+against the machine's measured matmul peak (the faster of jax and torch on a --peak_size cube).
+When both sides run near that peak, no implementation of the same work can be much faster.
 """
 
 import copy
@@ -45,6 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.utils.flop_counter  # noqa: E402
 import transformers  # noqa: E402
 from absl import app, flags  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
@@ -96,6 +103,9 @@ _SETTLE_S = flags.DEFINE_float("settle_s", 2.0, "Pause before each timed block (
 _SAMPLER_TARGET = flags.DEFINE_float("sampler_target", 5.0, "Sampler speedup goal (b).")
 _TRAIN_TARGET = flags.DEFINE_float("train_target", 2.0, "Training-step speedup goal (c).")
 _ALPHA = flags.DEFINE_float("alpha", 0.01, "Significance level of the statistics check.")
+_LOSS_TOL = flags.DEFINE_float("loss_tol", 1e-3, "Largest |loss diff| and relative gradient "
+                               "diff of (c)'s faithfulness check.")
+_PEAK_SIZE = flags.DEFINE_integer("peak_size", 1024, "Side of the float32 matmul of the peak.")
 
 
 def text_config() -> dict:
@@ -128,6 +138,36 @@ def timings(fns, repeats: int):
       seconds.append(time.perf_counter() - start)
     out[name] = (seconds, results)
   return out
+
+
+def reference_flops(fn) -> int:
+  """FLOPs of the reference's aten calls made by fn() (matmuls, attention; forward and
+  backward)."""
+  with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+    fn()
+  return counter.get_total_flops()
+
+
+def peak_gflops(repeats: int = 10) -> dict:
+  """Median GFLOP/s of an n x n x n float32 matmul in each framework: the machine's practical
+  peak for these implementations."""
+  n = _PEAK_SIZE.value
+  a = np.random.default_rng(0).normal(size=(n, n)).astype(np.float32)
+  ja, ta = jnp.asarray(a), torch.as_tensor(a)
+  matmul = jax.jit(lambda x: x @ x)
+  matmul(ja).block_until_ready()
+  with torch.no_grad():
+    ta @ ta
+    measured = timings({"jax": lambda _: matmul(ja).block_until_ready(),
+                        "torch": lambda _: ta @ ta}, repeats)
+  return {name: 2 * n ** 3 / np.median(seconds) / 1e9
+          for name, (seconds, _) in measured.items()}
+
+
+def report_roofline(flops: int, ours_s: float, theirs_s: float, peak: float) -> None:
+  ours, theirs = flops / ours_s / 1e9, flops / theirs_s / 1e9
+  print(f"    {flops / 1e6:.1f} MFLOP of useful work: ours {ours:.1f} GFLOP/s ({ours / peak:.0%} "
+        f"of peak), theirs {theirs:.1f} GFLOP/s ({theirs / peak:.0%})", flush=True)
 
 
 def report(name: str, ours: float, theirs: float, unit: str, higher_is_better: bool) -> float:
@@ -168,13 +208,14 @@ def bench_decoder_step(ref, params, cfg, sampler_cfg, batch: int, prompt_BxP):
                     decoder_attention_mask=masks, cache=ref_cache,
                     decoder_position_ids=torch.arange(p, p + c, dtype=torch.int32)[None])
     theirs_logits = ref(**ref_args).logits.numpy()
+    flops = reference_flops(lambda: ref(**ref_args))
   max_diff = float(np.abs(ours_logits - theirs_logits).max())
 
   with torch.no_grad():
     measured = timings({"ours": lambda _: decode(*ours_args).block_until_ready(),
                         "theirs": lambda _: ref(**ref_args)}, _STEP_REPEATS.value)
   ours_ms, theirs_ms = (1e3 * np.median(measured[name][0]) for name in ("ours", "theirs"))
-  return ours_ms, theirs_ms, max_diff
+  return ours_ms, theirs_ms, max_diff, flops
 
 
 # ----------------------------------------------------------------------------- (b) generation
@@ -252,12 +293,12 @@ def torch_draws(cfg, loss_cfg, tokens, loss_mask, gen):
   return k_B, torch.where(keep_BxC, tokens.gather(1, index_BxC), noise_BxC)
 
 
-def _head_rows(cache, n: int):
-  """A view of the first n batch rows of a DynamicCache (for the first self-cond. pass)."""
+def _cache_rows(cache, rows):
+  """A DynamicCache of the given batch rows (for the first self-conditioning pass)."""
   view = copy.copy(cache)
   view.layers = [copy.copy(layer) for layer in cache.layers]
   for layer in view.layers:
-    layer.keys, layer.values = layer.keys[:n], layer.values[:n]
+    layer.keys, layer.values = layer.keys[rows], layer.values[rows]
   return view
 
 
@@ -285,15 +326,18 @@ def reference_sft_loss(ref, cfg, loss_cfg, tokens, valid, loss_mask, k_B, noisy_
   index_BxC = (p + k_B * c)[:, None] + torch.arange(c)
   prefix_BxL = valid & (torch.arange(seq_len)[None] < (p + k_B * c)[:, None])
   decoder_mask = torch.cat([prefix_BxL, torch.ones((b, c), dtype=torch.bool)], dim=1)
-  num_sc = round(b * loss_cfg.self_conditioning_prob)
-  sc_mask_B = torch.arange(b) < num_sc
+  # Ours self-conditions the first k of every g rows (losses.self_conditioning_rows).
+  k, g = losses.self_conditioning_rows(b, loss_cfg.self_conditioning_prob)
+  sc_mask_B = torch.arange(b) % g < k
   sc_logits = None
-  if num_sc:
+  if k:
+    rows = torch.nonzero(sc_mask_B)[:, 0]
     with torch.no_grad():
-      first = ref(cache=_head_rows(cache, num_sc), decoder_input_ids=noisy_BxC[:num_sc],
-                  decoder_attention_mask=decoder_mask[:num_sc],
-                  decoder_position_ids=index_BxC[:num_sc]).logits
-    sc_logits = torch.cat([first, first.new_zeros((b - num_sc,) + first.shape[1:])])
+      first = ref(cache=_cache_rows(cache, rows), decoder_input_ids=noisy_BxC[rows],
+                  decoder_attention_mask=decoder_mask[rows],
+                  decoder_position_ids=index_BxC[rows]).logits
+    sc_logits = first.new_zeros((b,) + first.shape[1:])
+    sc_logits[rows] = first
   logits = ref(cache=cache, decoder_input_ids=noisy_BxC, self_conditioning_logits=sc_logits,
                self_conditioning_mask=sc_mask_B, decoder_attention_mask=decoder_mask,
                decoder_position_ids=index_BxC).logits
@@ -303,7 +347,8 @@ def reference_sft_loss(ref, cfg, loss_cfg, tokens, valid, loss_mask, k_B, noisy_
 
 
 def bench_training(ref, params, cfg):
-  """(ours s, theirs s, |loss diff|, max relative embedding-gradient diff)."""
+  """(ours s, theirs s, |loss diff|, max relative embedding-gradient diff, useful FLOPs of a
+  step)."""
   loss_cfg = losses.LossConfig(prompt_len=_PROMPT_LEN.value)
   if loss_cfg.noise_schedule != "linear" or loss_cfg.decoder_weighting != "flat":
     raise ValueError("the reference objective here implements the linear schedule, flat CE")
@@ -330,6 +375,7 @@ def bench_training(ref, params, cfg):
   (ours_loss, _), grads = loss_and_grad(params, cfg, loss_cfg, batch, rng)
   ref.train()
   theirs_loss = theirs_step(jax_draws(cfg, loss_cfg, batch, rng))
+  flops = reference_flops(lambda: theirs_step(jax_draws(cfg, loss_cfg, batch, rng)))
   loss_diff = abs(float(ours_loss) - theirs_loss.item())
   ours_grad = np.asarray(grads["embedding"])
   theirs_grad = ref.get_input_embeddings().weight.grad.numpy()
@@ -346,7 +392,7 @@ def bench_training(ref, params, cfg):
   ours_s, theirs_s = (float(np.median(measured[name][0])) for name in ("ours", "theirs"))
   ref.eval()
   ref.zero_grad(set_to_none=True)
-  return ours_s, theirs_s, loss_diff, grad_diff
+  return ours_s, theirs_s, loss_diff, grad_diff, flops
 
 
 # ----------------------------------------------------------------------------- main
@@ -375,10 +421,16 @@ def main(argv):
   prompts = np.random.default_rng(1).integers(3, cfg.vocab_size,
                                               (max(batch_sizes), _PROMPT_LEN.value), np.int32)
 
+  peaks = peak_gflops()
+  peak = max(peaks.values())
+  print(f"peak: {_PEAK_SIZE.value}^3 float32 matmul, jax {peaks['jax']:.1f} GFLOP/s, torch "
+        f"{peaks['torch']:.1f} GFLOP/s")
   print("(a) decoder step (one canvas, self-conditioning, cached prompt):")
   for b in batch_sizes:
-    ours_ms, theirs_ms, diff = bench_decoder_step(ref, params, cfg, sampler_cfg, b, prompts[:b])
+    ours_ms, theirs_ms, diff, flops = bench_decoder_step(ref, params, cfg, sampler_cfg, b,
+                                                         prompts[:b])
     report(f"batch {b} (|dlogits| {diff:.0e})", ours_ms, theirs_ms, "ms", False)
+    report_roofline(flops, ours_ms / 1e3, theirs_ms / 1e3, peak)
 
   print(f"(b) generate, {_MAX_NEW.value} new tokens after {_PROMPT_LEN.value}, the same "
         f"{len(prompts)} prompts at each batch size; median of {_REPEATS.value}:")
@@ -391,10 +443,14 @@ def main(argv):
 
   print(f"(c) SFT training step, forward + backward, batch {_TRAIN_BATCH.value} x "
         f"({_PROMPT_LEN.value} + {_TRAIN_CANVASES.value} x {cfg.canvas_length}) tokens:")
-  ours_s, theirs_s, loss_diff, grad_diff = bench_training(ref, params, cfg)
+  ours_s, theirs_s, loss_diff, grad_diff, flops = bench_training(ref, params, cfg)
   print(f"  same draws: |loss diff| {loss_diff:.1e}, embedding grad max rel. diff {grad_diff:.1e}")
+  if loss_diff > _LOSS_TOL.value or grad_diff > _LOSS_TOL.value:
+    raise SystemExit(f"the two training objectives disagree beyond {_LOSS_TOL.value:g} on the "
+                     "same draws: reference_sft_loss no longer matches losses.sft_loss")
   goals.append(("training", report("step", 1e3 * ours_s, 1e3 * theirs_s, "ms", False),
                 _TRAIN_TARGET.value))
+  report_roofline(flops, ours_s, theirs_s, peak)
 
   rows, seeds = _STATS_ROWS.value, range(_STATS_SEEDS.value)
   print(f"(d) sampler statistics, {rows} prompts x {len(seeds)} seeds per implementation, "

@@ -30,7 +30,7 @@ def get_config():
       "prompts_per_rollout": 8,  # more prompts per update: it must generalise, not memorise
       "updates_per_rollout": 1,  # optimizer steps per rollout batch
       "states_per_trajectory": 4,
-      "state_selection": "uniform",  # "uniform" | "last_k" | "all"
+      "state_selection": "uniform",  # "uniform" | "first_k" | "last_k" | "all"
       "advantage_norm": "group_std",  # "group_std" | "group_mean" | "none"
       "advantage_eps": 1e-6,
       # Below 1, the group's weights sum to more than zero: cells every sample agrees on are

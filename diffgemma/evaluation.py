@@ -37,8 +37,13 @@ def solve_batches(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerCo
     out = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(out))
     seconds += time.perf_counter() - t0
     grids.append(data.tokens_to_digits(out["tokens"][:real, :data.CANVAS_LEN]))
-    for key in ("tokens_per_forward", "steps_per_canvas", "decoder_passes", "num_tokens"):
-      stats.setdefault(key, []).append(out[key][:real])
+    if "trajectory" in out:
+      settle_KxB = np.asarray(sampler.settle_steps(out["trajectory"]))
+      out["settle_steps"] = settle_KxB.sum(0) / np.maximum((settle_KxB > 0).sum(0), 1)
+    for key in ("tokens_per_forward", "steps_per_canvas", "decoder_passes", "num_tokens",
+                "settle_steps"):
+      if key in out:
+        stats.setdefault(key, []).append(out[key][:real])
     if progress is not None:
       progress.update(real)
   return np.concatenate(grids), {k: np.concatenate(v) for k, v in stats.items()}, seconds
@@ -48,12 +53,16 @@ def evaluate_sudoku(params, model_cfg: ModelConfig, sampler_cfg: sampler.Sampler
                     puzzles_Nx81, solutions_Nx81, batch_size: int, prompt_format: str,
                     seed: int = 0, generate_fn=None, progress=None, warmup: bool = False) -> dict:
   """Metrics over a puzzle set. tokens_per_second counts generated tokens over the sampler's
-  wall time (the first batch includes compilation unless the function was warmed up)."""
+  wall time (the first batch includes compilation unless the function was warmed up). A sampler
+  that records trajectories adds settle_steps_per_canvas (`sampler.settle_steps`: the step from
+  which the argmax canvas no longer changed)."""
   grids, stats, seconds = solve_batches(params, model_cfg, sampler_cfg, puzzles_Nx81,
                                         batch_size, seed, prompt_format, generate_fn,
                                         progress, warmup)
   solved = sudoku.batch_solved(puzzles_Nx81, grids)
-  return {
+  extra = ({"settle_steps_per_canvas": float(np.mean(stats["settle_steps"]))}
+           if "settle_steps" in stats else {})
+  return extra | {
       "puzzle_accuracy": float(np.mean(solved)),
       "cell_accuracy": float(sudoku.cell_accuracy(puzzles_Nx81, grids, solutions_Nx81)),
       "tokens_per_forward": float(np.mean(stats["tokens_per_forward"])),

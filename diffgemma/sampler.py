@@ -466,6 +466,24 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
   return out
 
 
+def settle_steps(trajectory):
+  """When each canvas's argmax stopped changing: int32 [K, B], the 1-based step from which every
+  later step's argmax canvas equals the final one (0 where the row did not run canvas k).
+
+  Steps after it (steps_run - settle) were spent only on the stopping rule (confidence and
+  stability), not on changing the answer. `trajectory`: a recorded trajectory (argmax
+  [K, N, B, C], valid [K, N, B]).
+  """
+  argmax_KxNxBxC, valid_KxNxB = trajectory["argmax"], trajectory["valid"]
+  steps_KxB = jnp.sum(valid_KxNxB, axis=1).astype(jnp.int32)
+  last_KxBxC = jnp.take_along_axis(argmax_KxNxBxC,
+                                   jnp.maximum(steps_KxB - 1, 0)[:, None, :, None], axis=1)
+  differs_KxNxB = jnp.any(argmax_KxNxBxC != last_KxBxC, axis=-1) & valid_KxNxB
+  n_1xNx1 = jnp.arange(argmax_KxNxBxC.shape[1])[None, :, None]
+  last_change_KxB = jnp.max(jnp.where(differs_KxNxB, n_1xNx1, -1), axis=1)
+  return jnp.where(steps_KxB > 0, last_change_KxB + 2, 0).astype(jnp.int32)
+
+
 def _generate_ar(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
                  last_logits_BxV, rng):
   """Left-to-right decoding through the encoder: one token per encoder pass (see `generate`)."""

@@ -55,7 +55,7 @@ from diffgemma.config import ModelConfig
 from diffgemma.tb_writer import ScalarWriter
 
 MODES = ("both", "distill", "rl")
-STATE_SELECTIONS = ("uniform", "last_k", "all")
+STATE_SELECTIONS = ("uniform", "first_k", "last_k", "all")
 ADVANTAGE_NORMS = ("group_std", "group_mean", "none")
 ANCHORS = ("none", "kl", "sft")
 ROLLOUT_STATS = ("tokens_per_forward", "steps_per_canvas", "num_tokens")
@@ -82,7 +82,8 @@ class SdrlConfig:
   updates_per_rollout: optimizer steps on one rollout batch before the next rollout.
   states_per_trajectory: M states per canvas trajectory ("rl": M corruptions of its final canvas).
   state_selection: "uniform" (M steps drawn uniformly, with replacement, from the steps the row
-    ran), "last_k" (its last M steps), "all" (every step it ran; M = max_denoising_steps).
+    ran), "first_k" (its first M steps: the noisiest states, where a canvas's step count is
+    decided), "last_k" (its last M steps), "all" (every step it ran; M = max_denoising_steps).
   advantage_norm: "group_std" (r - mean_G) / (std_G + advantage_eps), "group_mean" r - mean_G,
     "none" r itself (with a 0/1 reward: distillation toward the correct samples only).
   negative_advantage_weight: negative advantages are multiplied by it (0 drops them).
@@ -215,7 +216,7 @@ def select_steps(num_steps_KxB, rng, cfg: SdrlConfig, num: int):
     return jnp.where(n_Kx1xB > 0, jnp.minimum(step_KxMxB, n_Kx1xB - 1), -1)
   if cfg.state_selection == "last_k":
     step_KxMxB = n_Kx1xB - 1 - m_1xMx1
-  else:  # "all"
+  else:  # "first_k", "all": the first M steps the row ran
     step_KxMxB = jnp.where(m_1xMx1 < n_Kx1xB, m_1xMx1, -1)
   return jnp.maximum(step_KxMxB, -1).astype(jnp.int32)
 

@@ -277,9 +277,12 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
   csv = str(tmp_path / "puzzles.csv")
   sudoku.write_csv(csv, *sudoku.generate_puzzles(7, 4, 40, 44))
   r = run("eval.py", f"--init_from={orbax_dir}", f"--data={csv}", "--config=sft_sudoku",
-          "--config.data.prompt_format=digits", "--config.sampler.max_denoising_steps=4")
+          "--config.data.prompt_format=digits", "--config.sampler.max_denoising_steps=4",
+          "--settle_stats")
   assert r.returncode == 0, r.stderr
-  assert json.loads(r.stdout.strip().splitlines()[-1])["num_puzzles"] == 4
+  metrics = json.loads(r.stdout.strip().splitlines()[-1])
+  assert metrics["num_puzzles"] == 4
+  assert 1 <= metrics["settle_steps_per_canvas"] <= metrics["steps_per_canvas"]
   one_line_error(run("eval.py", f"--init_from={exported}", f"--data={csv}"), "too small")
 
   # A new run whose config asks for a different architecture adopts the checkpoint's, starts

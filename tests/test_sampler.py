@@ -283,6 +283,25 @@ def test_denoise_canvas_per_row_stopping(params, patch_model):
   assert (traj["canvas"][1:, 1] != traj["canvas"][:-1, 1]).any()
 
 
+def test_settle_steps_on_a_hand_made_trajectory():
+  """settle = 1 + the last step whose argmax differs from the row's final one (1-based: the
+  step after it); 0 for a canvas the row did not run. Steps past a row's end are ignored."""
+  a, b, x, y = [1, 1], [2, 2], [3, 3], [3, 4]
+  argmax_KxNxBxC = np.array([
+      [[a, x, a], [b, y, a], [b, x, a], [a, x, a]],  # canvas 0: steps n = 0..3, rows 0..2
+      [[b, a, a], [a, a, a], [a, a, a], [a, a, a]],  # canvas 1
+  ])
+  valid_KxNxB = np.array([
+      [[1, 1, 0], [1, 1, 0], [1, 1, 0], [0, 1, 0]],  # rows ran 3, 4, 0 steps
+      [[1, 1, 0], [0, 1, 0], [0, 0, 0], [0, 0, 0]],  # rows ran 1, 2, 0 steps
+  ], bool)
+  settle = sampler.settle_steps({"argmax": jnp.asarray(argmax_KxNxBxC),
+                                 "valid": jnp.asarray(valid_KxNxB)})
+  # Row 0, canvas 0: final b (step 3 is past its end), differs at n = 0 -> 2. Row 1: final x,
+  # differs at n = 1 -> 3. Row 0, canvas 1: one step -> 1. Row 1: never differs -> 1.
+  np.testing.assert_array_equal(settle, [[2, 3, 0], [1, 1, 0]])
+
+
 # ----------------------------------------------------------------------------- generate
 
 

@@ -299,6 +299,8 @@ def test_state_selection():
   n_KxB = jnp.asarray([[3, 0, 1]])
   last = sdrl.select_steps(n_KxB, None, sdrl.SdrlConfig(state_selection="last_k"), 2)
   np.testing.assert_array_equal(last[0], [[2, -1, 0], [1, -1, -1]])
+  first = sdrl.select_steps(n_KxB, None, sdrl.SdrlConfig(state_selection="first_k"), 2)
+  np.testing.assert_array_equal(first[0], [[0, -1, 0], [1, -1, -1]])
   every = sdrl.select_steps(n_KxB, None, sdrl.SdrlConfig(state_selection="all"), 4)
   np.testing.assert_array_equal(every[0], [[0, -1, 0], [1, -1, -1], [2, -1, -1], [-1, -1, -1]])
   uniform = np.asarray(sdrl.select_steps(n_KxB, jax.random.PRNGKey(0),
