@@ -40,6 +40,8 @@ def get_config():
       # State weight A + reward_weight * r: all-solved groups (A = 0) still distil toward fewer
       # steps; 0 = the advantage alone.
       "reward_weight": 1.0,
+      # "consistent": distil only the final grid's cells that the verifier finds consistent.
+      "cell_weighting": "none",
       # "none" | "kl" (to the initial parameters, on the trained states) | "sft" (the SFT loss on
       # c.data's puzzles). In short trials every fine-tuning start lost a few points of puzzle
       # accuracy; the SFT anchor keeps the SFT objective running beside SD·RL (one SFT step

@@ -74,6 +74,33 @@ def unit_satisfaction(puzzles_Nx81, grids_Nx81):
   return (permutation & keeps_givens).mean(-1)
 
 
+def consistent_cells(puzzles_Nx81, grids_Nx81):
+  """bool[N, 81]: cells holding a digit that keeps the cell's given (if any) and occurs once in
+  its row, its column and its box. A solved grid is consistent everywhere; needs no solution."""
+  g_Nx9x9 = np.asarray(grids_Nx81).reshape(-1, sudoku.SIZE, sudoku.SIZE)
+  n, b = len(g_Nx9x9), sudoku.BOX
+  onehot_Nx9x9xD = g_Nx9x9[..., None] == np.arange(1, sudoku.SIZE + 1)
+  in_row = onehot_Nx9x9xD.sum(2, keepdims=True)
+  in_col = onehot_Nx9x9xD.sum(1, keepdims=True)
+  box_NxbxbxbxbxD = onehot_Nx9x9xD.reshape(n, b, b, b, b, -1)
+  in_box = box_NxbxbxbxbxD.sum((2, 4), keepdims=True)
+  in_box = np.broadcast_to(in_box, box_NxbxbxbxbxD.shape).reshape(onehot_Nx9x9xD.shape)
+  once = ((in_row == 1) & (in_col == 1) & (in_box == 1) & onehot_Nx9x9xD).any(-1)
+  puzzles = np.asarray(puzzles_Nx81)
+  keeps_given = (puzzles == sudoku.BLANK) | (puzzles == np.asarray(grids_Nx81))
+  return once.reshape(n, -1) & keeps_given
+
+
+def consistent_token_mask(tokens_BxL, task: dict):
+  """float-able bool[B, L]: `consistent_cells` on the grid of each row's first 81 tokens; the
+  tokens after the grid (none in the Sudoku task's single canvas) count as consistent."""
+  tokens_BxL = np.asarray(tokens_BxL)
+  grids = data.tokens_to_digits(tokens_BxL[:, :sudoku.NUM_CELLS])
+  mask = np.ones(tokens_BxL.shape, bool)
+  mask[:, :sudoku.NUM_CELLS] = consistent_cells(task["puzzle"], grids)
+  return mask
+
+
 def blank_cell_accuracy(puzzles_Nx81, grids_Nx81, solutions_Nx81):
   """float[N]: per puzzle, the fraction of its blank cells where the grid equals the solution."""
   blank = np.asarray(puzzles_Nx81) == sudoku.BLANK

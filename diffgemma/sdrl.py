@@ -58,6 +58,7 @@ MODES = ("both", "distill", "rl")
 STATE_SELECTIONS = ("uniform", "first_k", "last_k", "all")
 ADVANTAGE_NORMS = ("group_std", "group_mean", "none")
 ANCHORS = ("none", "kl", "sft")
+CELL_WEIGHTINGS = ("none", "consistent")
 ROLLOUT_STATS = ("tokens_per_forward", "steps_per_canvas", "num_tokens")
 # The config keys `trainer.make_optimizer` reads.
 OPTIMIZER_KEYS = ("optimizer", "num_train_steps", "freeze_router", "lora")
@@ -91,6 +92,9 @@ class SdrlConfig:
   reward_weight: lambda in the state weight A + lambda * r: reward-weighted distillation on top
     of the advantage, so a group whose samples all succeed (A = 0) still distils its
     trajectories toward fewer steps; 0 = the advantage alone.
+  cell_weighting: "none" (every target cell counts) or "consistent" (Sudoku: only the cells of
+    the final grid that the verifier finds consistent, `rewards.consistent_cells`, are
+    distilled; an unsolved grid's conflicting cells are not pushed toward).
   anchor: "none"; "kl" KL(reference || model) of the decoder on the trained states, the
     reference being the frozen initial parameters; "sft" the SFT loss on task data
     (`config.data`, `anchor_batch_size` examples per update). Weighted by anchor_weight.
@@ -107,6 +111,7 @@ class SdrlConfig:
   negative_advantage_weight: float = 1.0
   advantage_clip: float = 0.0
   reward_weight: float = 0.0
+  cell_weighting: str = "none"
   anchor: str = "none"
   anchor_weight: float = 0.0
   anchor_batch_size: int = 16
@@ -117,6 +122,7 @@ class SdrlConfig:
     for name, value, choices in (("mode", self.mode, MODES),
                                  ("state_selection", self.state_selection, STATE_SELECTIONS),
                                  ("advantage_norm", self.advantage_norm, ADVANTAGE_NORMS),
+                                 ("cell_weighting", self.cell_weighting, CELL_WEIGHTINGS),
                                  ("anchor", self.anchor, ANCHORS)):
       if value not in choices:
         raise ValueError(f"unknown sdrl.{name} {value!r}; choose one of {choices}")
@@ -126,6 +132,8 @@ class SdrlConfig:
         raise ValueError(f"sdrl.{name} must be positive, got {getattr(self, name)}")
     if self.group_size < 2 and self.mode != "distill" and self.advantage_norm != "none":
       raise ValueError("group-relative advantages need sdrl.group_size >= 2")
+    if self.cell_weighting == "consistent" and self.reward.name != "sudoku":
+      raise ValueError("sdrl.cell_weighting='consistent' needs reward.name='sudoku'")
     if self.advantage_eps <= 0:
       raise ValueError("sdrl.advantage_eps must be positive")
     for name in ("negative_advantage_weight", "advantage_clip", "reward_weight", "anchor_weight"):
@@ -288,7 +296,8 @@ def encode_context(params, model_cfg: ModelConfig, prompt_BxP, prompt_valid_BxP,
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfig,
-                   cfg: SdrlConfig, prompt_BxP, prompt_valid_BxP, rollout: dict, weight_B, rng):
+                   cfg: SdrlConfig, prompt_BxP, prompt_valid_BxP, rollout: dict, weight_B, rng,
+                   cell_weight_BxL=None):
   """The training batch of one rollout (jitted; configs static).
 
   rollout: `generate`'s output with a trajectory. Returns a dict: prompt_BxP, prompt_valid_BxP,
@@ -296,7 +305,8 @@ def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerC
   target_UxC (canvas k's final argmax), valid_U (the state exists), step_U (its step, -1 for
   "rl"); trajectory modes also canvas_UxC and self_cond_UxCxD (its decoder input). Plus scalars
   replay_agreement (share of replayed steps whose argmax canvas equals the recorded one) and
-  state_position (mean step / steps of the canvas, of valid states).
+  state_position (mean step / steps of the canvas, of valid states). With `cell_weight_BxL`
+  (a weight per generated token), also cell_weight_UxC: each state's target cells' weights.
   """
   traj = rollout["trajectory"]
   k_max, _, b, c = traj["canvas"].shape
@@ -311,6 +321,10 @@ def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerC
            "row_U": jnp.tile(jnp.arange(b, dtype=jnp.int32), k_max * num),
            "prefix_len_U": jnp.repeat(p + c * jnp.arange(k_max, dtype=jnp.int32), num * b),
            "target_UxC": jnp.broadcast_to(final_KxBxC[:, None], (k_max, num, b, c)).reshape(-1, c)}
+  if cell_weight_BxL is not None:
+    weight_KxBxC = jnp.asarray(cell_weight_BxL, jnp.float32).reshape(b, k_max, c).transpose(1, 0, 2)
+    batch["cell_weight_UxC"] = jnp.broadcast_to(weight_KxBxC[:, None],
+                                                (k_max, num, b, c)).reshape(-1, c)
   if cfg.mode == "rl":
     valid_KxMxB = jnp.broadcast_to((num_steps_KxB > 0)[:, None], (k_max, num, b))
     batch.update(valid_U=valid_KxMxB.reshape(-1), step_U=jnp.full(k_max * num * b, -1),
@@ -385,12 +399,15 @@ def sdrl_loss(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg: losses.
 
   loss = sum_u w[row_u] * CE_u / #valid states + anchor_weight * anchor, with w the rows'
   weights (`advantages`) and CE_u the mean over the canvas of the decoder's CE toward state u's
-  final canvas.
+  final canvas (each cell times its cell_weight_UxC when the batch has one).
   """
   decode_rng, anchor_rng = jax.random.split(rng)
   logits_UxCxV, inputs = _decoder_logits(params, model_cfg, cfg, loss_cfg, batch, decode_rng)
   target_UxC, valid_U = batch["target_UxC"], batch["valid_U"]
-  ce_U = jnp.mean(losses.cross_entropy(logits_UxCxV, target_UxC), axis=-1)
+  ce_UxC = losses.cross_entropy(logits_UxCxV, target_UxC)
+  if "cell_weight_UxC" in batch:  # masked cells count as zero, not renormalised away
+    ce_UxC = ce_UxC * batch["cell_weight_UxC"]
+  ce_U = jnp.mean(ce_UxC, axis=-1)
   weight_U = batch["weight_B"][batch["row_U"]] * valid_U
   num_valid = jnp.maximum(jnp.sum(valid_U), 1)
   policy_loss = jnp.sum(weight_U * ce_U) / num_valid
@@ -570,8 +587,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
                                  stats["num_tokens"], rollout_cfg.max_denoising_steps,
                                  rollout_cfg.max_new_tokens, stops, model_cfg.pad_token_id)
       weight_B = advantages(rewarded["reward"], cfg)
+      cell_weight_BxL = None
+      if cfg.cell_weighting == "consistent":
+        cell_weight_BxL = rewards.consistent_token_mask(tokens_BxL, task).astype(np.float32)
       batch = prepare_states(state["params"], model_cfg, rollout_cfg, cfg, prompt_BxP, valid_BxP,
-                             rollout, weight_B, stream_key(state["rng"], _STATES_STREAM, step))
+                             rollout, weight_B, stream_key(state["rng"], _STATES_STREAM, step),
+                             cell_weight_BxL)
       jax.block_until_ready(batch)
       t_states = time.perf_counter()
       for _ in range(n_updates):

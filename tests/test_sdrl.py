@@ -176,10 +176,11 @@ def state_batch(mode, num_states=2):
 
 
 def expected_policy_loss(logits_UxCxV, batch):
-  """sum_u A[row_u] * mean_c CE_u / #valid, in float64 numpy."""
+  """sum_u A[row_u] * mean_c (cell weight x CE_u,c) / #valid, in float64 numpy."""
   logp = log_softmax64(logits_UxCxV)
   target = np.asarray(batch["target_UxC"])
-  ce_U = -np.take_along_axis(logp, target[..., None], -1)[..., 0].mean(-1)
+  ce_UxC = -np.take_along_axis(logp, target[..., None], -1)[..., 0]
+  ce_U = (ce_UxC * np.asarray(batch.get("cell_weight_UxC", 1.0), np.float64)).mean(-1)
   valid = np.asarray(batch["valid_U"])
   weight = np.asarray(batch["weight_B"], np.float64)[np.asarray(batch["row_U"])] * valid
   return (weight * ce_U).sum() / valid.sum(), ce_U
@@ -206,6 +207,24 @@ def test_trajectory_loss_matches_hand_computation(params):
   np.testing.assert_allclose(total, expected + 0.5 * kl, rtol=1e-5)
   _, same = loss_fn(params, CFG, cfg, loss_cfg, batch, jax.random.PRNGKey(0), params)
   np.testing.assert_allclose(same["anchor"], 0.0, atol=1e-6)  # no drift from itself
+
+
+def test_cell_weights_scale_each_target_cell(params):
+  """With cell_weight_UxC, a cell's CE counts times its weight (0: not distilled) and the mean
+  stays over the whole canvas."""
+  batch = state_batch("both")
+  weights = np.random.default_rng(1).integers(0, 2, batch["target_UxC"].shape)
+  weights[0] = 0  # a state with no consistent cell adds nothing
+  batch["cell_weight_UxC"] = jnp.asarray(weights, jnp.float32)
+  cfg = sdrl.SdrlConfig(mode="both", group_size=2, prompts_per_rollout=1,
+                        states_per_trajectory=2, cell_weighting="consistent")
+  _, metrics = loss_fn(params, CFG, cfg, losses.LossConfig(prompt_len=3), batch,
+                       jax.random.PRNGKey(0))
+  logits = state_logits(params, batch["prompt_BxP"][batch["row_U"]], batch["canvas_UxC"],
+                        batch["self_cond_UxCxD"])
+  expected, ce_U = expected_policy_loss(logits, batch)
+  assert ce_U[0] == 0 and ce_U[1] > 0
+  np.testing.assert_allclose(metrics["policy_loss"], expected, rtol=1e-5)
 
 
 def test_rl_loss_matches_hand_computation(params):
@@ -354,6 +373,33 @@ def test_sudoku_rewards_on_known_grids():
   np.testing.assert_array_equal(exact["correct"], [True, False, False, False])
 
 
+def test_consistent_cells_against_brute_force():
+  """Each cell checked by hand: a digit, its given kept, and alone in its row, column, box."""
+  rng = np.random.default_rng(3)
+  puzzles, solutions = sudoku.generate_puzzles(5, 6, 30, 40)
+  grids = solutions.copy()
+  for grid in grids[1:]:  # row 0 stays solved; the others get wrong digits and blanks
+    cells = rng.choice(81, size=rng.integers(1, 12), replace=False)
+    grid[cells] = rng.integers(0, 10, len(cells))
+
+  def brute(puzzle, grid):
+    g = grid.reshape(9, 9)
+    out = np.zeros((9, 9), bool)
+    for r in range(9):
+      for c in range(9):
+        d = g[r, c]
+        box = g[r // 3 * 3:r // 3 * 3 + 3, c // 3 * 3:c // 3 * 3 + 3]
+        out[r, c] = (d != 0 and (g[r] == d).sum() == 1 and (g[:, c] == d).sum() == 1
+                     and (box == d).sum() == 1 and puzzle[r * 9 + c] in (0, d))
+    return out.reshape(81)
+
+  got = rewards.consistent_cells(puzzles, grids)
+  np.testing.assert_array_equal(got, [brute(p, g) for p, g in zip(puzzles, grids)])
+  assert got[0].all() and not got[1:].all()
+  tokens = data.solution_tokens(grids)
+  np.testing.assert_array_equal(rewards.consistent_token_mask(tokens, {"puzzle": puzzles}), got)
+
+
 def test_exact_match_reward_reads_up_to_the_first_stop_id():
   eos, pad = 1, 0
   tokens = np.array([[5, 6, eos, pad], [5, 6, 7, eos], [5, eos, 9, 9], [5, 6, pad, pad]])
@@ -368,6 +414,7 @@ def test_bad_config_values_fail_with_one_line():
   sdrl.validate_config(config)
   for key, value, words in (("mode", "ppo", "unknown sdrl.mode"),
                             ("state_selection", "first", "unknown sdrl.state_selection"),
+                            ("cell_weighting", "all", "unknown sdrl.cell_weighting"),
                             ("updates_per_rollout", 3, "must be a multiple")):
     bad = sdrl_sudoku.get_config()
     bad.sdrl[key] = value
