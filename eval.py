@@ -25,10 +25,10 @@ _DATA = flags.DEFINE_string("data", None, "CSV with header quizzes,solutions.")
 _LIMIT = flags.DEFINE_integer("limit", None, "Evaluate only the first N puzzles.")
 _BATCH = flags.DEFINE_integer("batch_size", None, "Sampler batch (default: the run's eval batch).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
-_SETTLE = flags.DEFINE_bool(
-    "settle_stats", False, "Record the sampler's trajectories and add settle_steps_per_canvas: "
-    "the mean step from which the argmax canvas stopped changing (steps after it only wait for "
-    "the stopping rule).")
+_TRAJECTORY = flags.DEFINE_bool(
+    "trajectory_stats", False, "Record the sampler's trajectories; add settle_steps_per_canvas "
+    "(the mean step from which the argmax canvas stopped changing) and step_profile (per step: "
+    "blank cells accepted / correct, entropy spent on blanks and givens), printed as a table.")
 
 
 def main(argv):
@@ -47,7 +47,7 @@ def main(argv):
     run = runs.load_checkpoint_as_run(_INIT_FROM.value, config)
   batch = _BATCH.value or run.config.eval.batch_size
   sampler_cfg = run.sampler_cfg
-  if _SETTLE.value:
+  if _TRAJECTORY.value:
     sampler_cfg = sampler_cfg.replace(record_trajectory=True)
   with tqdm(total=len(puzzles), desc="eval", unit="puzzle") as bar:
     metrics = evaluation.evaluate_sudoku(
@@ -55,6 +55,8 @@ def main(argv):
         run.config.data.prompt_format, seed=_SEED.value,
         progress=bar, warmup=True)
   metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value))
+  if "step_profile" in metrics:
+    print(evaluation.format_step_profile(metrics["step_profile"]))
   print(json.dumps(metrics))
 
 

@@ -213,11 +213,13 @@ class DenoiseState(NamedTuple):
 
 class StepOutput(NamedTuple):
   """What one step did, for bookkeeping and RL: rows that ran (active_B), the acceptance mask
-  (False on inactive rows) and the tempered logits (before the finished-row substitution)."""
+  (False on inactive rows), the tempered logits (before the finished-row substitution) and their
+  per-position entropy, the quantity the acceptance ranks (float32 [B, C], 0 on inactive rows)."""
 
   active_B: jax.Array
   accepted_BxC: jax.Array
   tempered_logits_BxCxV: jax.Array
+  entropy_BxC: jax.Array
 
 
 def init_denoise_state(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, rng,
@@ -280,7 +282,9 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
       history_SxBxC=history_SxBxC,
       finished_B=frozen_B | stop_B,
       step=state.step + 1)
-  return new_state, StepOutput(~frozen_B, accepted_BxC & ~frozen_B[:, None], tempered_BxCxV)
+  entropy_BxC = jnp.where(frozen_B[:, None], 0.0, entropy_BxC.astype(jnp.float32))
+  return new_state, StepOutput(~frozen_B, accepted_BxC & ~frozen_B[:, None], tempered_BxCxV,
+                               entropy_BxC)
 
 
 def _accept_and_renoise(state: DenoiseState, sampled_BxC, argmax_BxC, entropy_BxC, noise_key,
@@ -342,7 +346,9 @@ def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerCo
   new_state = state._replace(
       canvas_BxC=canvas_BxC, argmax_BxC=argmax_BxC, self_cond_embedding_BxCxD=embedding_BxCxD,
       history_SxBxC=history_SxBxC, finished_B=frozen_B | stop_B, step=state.step + 1)
-  return new_state, StepOutput(~frozen_B, accepted_BxC & ~frozen_B[:, None], tempered_BxCxV)
+  entropy_BxC = jnp.where(frozen_B[:, None], 0.0, entropy_BxC.astype(jnp.float32))
+  return new_state, StepOutput(~frozen_B, accepted_BxC & ~frozen_B[:, None], tempered_BxCxV,
+                               entropy_BxC)
 
 
 def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache, rng,
@@ -355,7 +361,8 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
   Returns:
     (argmax_canvas_BxC, stats) with stats['num_steps'] [B] int32 (decoder passes per row) and,
     when `record_trajectory`, stats['trajectory'] = {canvas [N,B,C] (each step's input),
-    argmax [N,B,C] (each step's output), accepted [N,B,C], valid [N,B] (row ran that step)}.
+    argmax [N,B,C] (each step's output), accepted [N,B,C], entropy [N,B,C] (float32, the
+    tempered entropy the acceptance ranked), valid [N,B] (row ran that step)}.
   """
   b = cache["valid"].shape[0]
   n_max, c = sampler_cfg.max_denoising_steps, model_cfg.canvas_length
@@ -367,6 +374,7 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
     traj = {"canvas": jnp.zeros((n_max, b, c), jnp.int32),
             "argmax": jnp.zeros((n_max, b, c), jnp.int32),
             "accepted": jnp.zeros((n_max, b, c), bool),
+            "entropy": jnp.zeros((n_max, b, c), jnp.float32),
             "valid": jnp.zeros((n_max, b), bool)}
 
   def cond(carry):
@@ -383,6 +391,7 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
       traj = {"canvas": put(traj["canvas"], state.canvas_BxC),
               "argmax": put(traj["argmax"], new_state.argmax_BxC),
               "accepted": put(traj["accepted"], out.accepted_BxC),
+              "entropy": put(traj["entropy"], out.entropy_BxC),
               "valid": put(traj["valid"], out.active_B)}
     return new_state, steps_B + out.active_B.astype(jnp.int32), traj
 
@@ -426,6 +435,7 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
         "canvas": jnp.zeros((k_max, n_max, batch, c), jnp.int32),
         "argmax": jnp.zeros((k_max, n_max, batch, c), jnp.int32),
         "accepted": jnp.zeros((k_max, n_max, batch, c), bool),
+        "entropy": jnp.zeros((k_max, n_max, batch, c), jnp.float32),
         "valid": jnp.zeros((k_max, n_max, batch), bool)}
 
   def cond(carry):
@@ -545,7 +555,8 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
     decoder_passes [B] (denoising forwards; AR: token-producing forwards), commit_passes [B]
     (canvas commits the row needed; AR: 0), num_canvases [B], steps_per_canvas [B],
     tokens_per_forward [B] = num_tokens / decoder_passes; diffusion only: canvas_steps [B, K],
-    and with `record_trajectory` trajectory {canvas, argmax, accepted: [K,N,B,C], valid [K,N,B]}.
+    and with `record_trajectory` trajectory {canvas, argmax, accepted, entropy: [K,N,B,C],
+    valid [K,N,B]}.
   """
   batch, prompt_len = prompt_BxP.shape
   if prompt_valid_BxP is None:

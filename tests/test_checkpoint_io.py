@@ -278,11 +278,16 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
   sudoku.write_csv(csv, *sudoku.generate_puzzles(7, 4, 40, 44))
   r = run("eval.py", f"--init_from={orbax_dir}", f"--data={csv}", "--config=sft_sudoku",
           "--config.data.prompt_format=digits", "--config.sampler.max_denoising_steps=4",
-          "--settle_stats")
+          "--trajectory_stats")
   assert r.returncode == 0, r.stderr
   metrics = json.loads(r.stdout.strip().splitlines()[-1])
   assert metrics["num_puzzles"] == 4
   assert 1 <= metrics["settle_steps_per_canvas"] <= metrics["steps_per_canvas"]
+  profile = metrics["step_profile"]
+  assert profile["rows"][0] == 4 and len(profile["rows"]) <= 4
+  # Every puzzle ran step 1; the profile's step counts add up to the decoder passes.
+  assert sum(profile["rows"]) == 4 * metrics["decoder_passes"]
+  assert "step  puzzles" in r.stdout
   one_line_error(run("eval.py", f"--init_from={exported}", f"--data={csv}"), "too small")
 
   # A new run whose config asks for a different architecture adopts the checkpoint's, starts

@@ -281,6 +281,12 @@ def test_denoise_canvas_per_row_stopping(params, patch_model):
   assert traj["accepted"][:, 0].sum() == 2 * c and not traj["accepted"][:, 2].any()
   # Row 1 is renoised: its input canvas changes between steps.
   assert (traj["canvas"][1:, 1] != traj["canvas"][:-1, 1]).any()
+  # The recorded entropy is the tempered one the acceptance ranked; zero where a row did not run.
+  for s in range(n_max):
+    t = sampler.temperature(n_max - s, cfg)
+    np.testing.assert_allclose(traj["entropy"][s, 1],
+                               sampler.token_entropy(jnp.asarray(logits[1]) / t), rtol=1e-5)
+  assert not traj["entropy"][:, 2].any()
 
 
 def test_settle_steps_on_a_hand_made_trajectory():

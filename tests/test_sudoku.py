@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from diffgemma import sudoku
+from diffgemma import data, evaluation, sudoku
 
 # A well-known valid grid (Wikipedia's example solution).
 KNOWN_GRID_STR = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
@@ -340,3 +340,41 @@ def test_sources_work_with_grain(tmp_path):
   assert len(csv_source) == 3
   np.testing.assert_array_equal(csv_source[2]["solution"], solutions[2])
   assert "d.csv" in repr(csv_source)
+
+
+def test_step_profile_against_a_loop():
+  """`evaluation.step_profile` on a random trajectory (one canvas, rows stopping at different
+  steps) equals per-cell loops over the steps each row ran."""
+  rng = np.random.default_rng(0)
+  n, b, c = 4, 3, data.CANVAS_LEN + 2
+  puzzles, solutions = sudoku.generate_puzzles(3, b, 30, 40)
+  steps_run = [4, 1, 2]
+  valid_NxB = np.array([[s < run for run in steps_run] for s in range(n)])
+  # Argmax tokens: the solution digit where a coin says so, else another token.
+  right = rng.random((n, b, c)) < 0.6
+  solution_tokens = np.concatenate([solutions + data.DIGIT_OFFSET,
+                                    np.zeros((b, c - data.CANVAS_LEN), np.int64)], axis=1)
+  argmax = np.where(right, solution_tokens[None], rng.integers(0, data.DIGIT_OFFSET, (n, b, c)))
+  traj = {"argmax": argmax[None], "accepted": (rng.random((n, b, c)) < 0.5)[None],
+          "entropy": rng.random((n, b, c))[None].astype(np.float32), "valid": valid_NxB[None]}
+  got = evaluation.step_profile(traj, puzzles, solutions)
+  for s in range(n):
+    want = dict.fromkeys(evaluation.STEP_PROFILE_KEYS, 0.0)
+    for row in range(b):
+      if not valid_NxB[s, row]:
+        continue
+      want["rows"] += 1
+      for cell in range(data.CANVAS_LEN):
+        digit = argmax[s, row, cell] - data.DIGIT_OFFSET
+        correct = digit == solutions[row, cell]
+        accepted = traj["accepted"][0, s, row, cell]
+        entropy = float(traj["entropy"][0, s, row, cell])
+        if puzzles[row, cell] == 0:
+          want["blank_accepted"] += accepted
+          want["blank_correct"] += correct
+          want["blank_accepted_correct"] += accepted and correct
+          want["blank_entropy"] += entropy
+        else:
+          want["given_entropy"] += entropy
+    for key in evaluation.STEP_PROFILE_KEYS:
+      np.testing.assert_allclose(got[key][s], want[key], rtol=1e-6, err_msg=f"{key}, step {s}")
