@@ -222,6 +222,13 @@ class StepOutput(NamedTuple):
   entropy_BxC: jax.Array
 
 
+def _step_output(frozen_B, accepted_BxC, tempered_BxCxV, entropy_BxC) -> StepOutput:
+  """A step's StepOutput; rows frozen before it report no acceptance and zero entropy."""
+  frozen_Bx1 = frozen_B[:, None]
+  return StepOutput(~frozen_B, accepted_BxC & ~frozen_Bx1, tempered_BxCxV,
+                    jnp.where(frozen_Bx1, 0.0, entropy_BxC.astype(jnp.float32)))
+
+
 def init_denoise_state(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, rng,
                        batch: int, finished_B=None) -> DenoiseState:
   """Uniform random canvas; argmax starts as that canvas (as the reference), no self-cond."""
@@ -282,9 +289,7 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
       history_SxBxC=history_SxBxC,
       finished_B=frozen_B | stop_B,
       step=state.step + 1)
-  entropy_BxC = jnp.where(frozen_B[:, None], 0.0, entropy_BxC.astype(jnp.float32))
-  return new_state, StepOutput(~frozen_B, accepted_BxC & ~frozen_B[:, None], tempered_BxCxV,
-                               entropy_BxC)
+  return new_state, _step_output(frozen_B, accepted_BxC, tempered_BxCxV, entropy_BxC)
 
 
 def _accept_and_renoise(state: DenoiseState, sampled_BxC, argmax_BxC, entropy_BxC, noise_key,
@@ -346,9 +351,7 @@ def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerCo
   new_state = state._replace(
       canvas_BxC=canvas_BxC, argmax_BxC=argmax_BxC, self_cond_embedding_BxCxD=embedding_BxCxD,
       history_SxBxC=history_SxBxC, finished_B=frozen_B | stop_B, step=state.step + 1)
-  entropy_BxC = jnp.where(frozen_B[:, None], 0.0, entropy_BxC.astype(jnp.float32))
-  return new_state, StepOutput(~frozen_B, accepted_BxC & ~frozen_B[:, None], tempered_BxCxV,
-                               entropy_BxC)
+  return new_state, _step_output(frozen_B, accepted_BxC, tempered_BxCxV, entropy_BxC)
 
 
 def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache, rng,
