@@ -36,10 +36,14 @@ work (the reference's matmuls and attention under torch's FlopCounterMode: its M
 only the rows routed to each expert, so padding or masking on either side is not counted),
 against the machine's measured matmul peak (the faster of jax and torch on a --peak_size cube).
 When both sides run near that peak, no implementation of the same work can be much faster.
+When both run far below it, (a) also prints the operations each side runs per step (our
+compiled program's XLA thunks; the aten calls torch dispatches) and the mean time per operation:
+a small model's step time is then about operations x cost per operation.
 """
 
 import copy
 import os
+import re
 import sys
 import time
 
@@ -52,6 +56,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.utils.flop_counter  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import transformers  # noqa: E402
 from absl import app, flags  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
@@ -164,6 +169,53 @@ def peak_gflops(repeats: int = 10) -> dict:
           for name, (seconds, _) in measured.items()}
 
 
+# HLO instructions that run no code of their own in XLA:CPU's thunk runtime.
+_FREE_HLO_OPS = frozenset({"parameter", "bitcast", "get-tuple-element", "constant", "tuple"})
+
+
+def xla_op_count(jitted, *args) -> dict:
+  """Operations the compiled program runs per call: the instructions of its entry computation
+  that execute (fusions, copies, custom calls, ...), by opcode. A `while` counts once, so a
+  program with loops (the tiled MoE at larger batches) is undercounted; the report says so."""
+  text = jitted.lower(*args).compile().as_text()
+  entry = text[text.index("\nENTRY"):].split("\n}")[0]
+  counts = {}
+  for line in entry.split("\n")[1:]:
+    rhs = line.partition("=")[2]
+    opcode = re.search(r"([a-z][\w-]*)\(", rhs)
+    if opcode and opcode.group(1) not in _FREE_HLO_OPS:
+      counts[opcode.group(1)] = counts.get(opcode.group(1), 0) + 1
+  return counts
+
+
+class _AtenCounter(TorchDispatchMode):
+  """Counts the aten operations torch dispatches (each one a kernel call in eager mode)."""
+
+  def __init__(self):
+    super().__init__()
+    self.count = 0
+
+  def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    self.count += 1
+    return func(*args, **(kwargs or {}))
+
+
+def aten_op_count(fn) -> int:
+  with _AtenCounter() as counter:
+    fn()
+  return counter.count
+
+
+def report_op_costs(ours_ops: dict, theirs_ops: int, ours_ms: float, theirs_ms: float) -> None:
+  """Per-call operations and the mean time per operation of each side: when both are small
+  programs of many small operations, time ~ operations x cost per operation."""
+  n_ours = sum(ours_ops.values())
+  loops = " (has while loops: counted once)" if "while" in ours_ops else ""
+  print(f"    operations per call: ours {n_ours} XLA thunks{loops}, {1e3 * ours_ms / n_ours:.1f} "
+        f"us each; theirs {theirs_ops} aten ops, {1e3 * theirs_ms / theirs_ops:.1f} us each",
+        flush=True)
+
+
 def report_roofline(flops: int, ours_s: float, theirs_s: float, peak: float) -> None:
   ours, theirs = flops / ours_s / 1e9, flops / theirs_s / 1e9
   print(f"    {flops / 1e6:.1f} MFLOP of useful work: ours {ours:.1f} GFLOP/s ({ours / peak:.0%} "
@@ -209,13 +261,15 @@ def bench_decoder_step(ref, params, cfg, sampler_cfg, batch: int, prompt_BxP):
                     decoder_position_ids=torch.arange(p, p + c, dtype=torch.int32)[None])
     theirs_logits = ref(**ref_args).logits.numpy()
     flops = reference_flops(lambda: ref(**ref_args))
+    theirs_ops = aten_op_count(lambda: ref(**ref_args))
+  ours_ops = xla_op_count(decode, *ours_args)
   max_diff = float(np.abs(ours_logits - theirs_logits).max())
 
   with torch.no_grad():
     measured = timings({"ours": lambda _: decode(*ours_args).block_until_ready(),
                         "theirs": lambda _: ref(**ref_args)}, _STEP_REPEATS.value)
   ours_ms, theirs_ms = (1e3 * np.median(measured[name][0]) for name in ("ours", "theirs"))
-  return ours_ms, theirs_ms, max_diff, flops
+  return ours_ms, theirs_ms, max_diff, flops, ours_ops, theirs_ops
 
 
 # ----------------------------------------------------------------------------- (b) generation
@@ -427,10 +481,11 @@ def main(argv):
         f"{peaks['torch']:.1f} GFLOP/s")
   print("(a) decoder step (one canvas, self-conditioning, cached prompt):")
   for b in batch_sizes:
-    ours_ms, theirs_ms, diff, flops = bench_decoder_step(ref, params, cfg, sampler_cfg, b,
-                                                         prompts[:b])
+    ours_ms, theirs_ms, diff, flops, ours_ops, theirs_ops = bench_decoder_step(
+        ref, params, cfg, sampler_cfg, b, prompts[:b])
     report(f"batch {b} (|dlogits| {diff:.0e})", ours_ms, theirs_ms, "ms", False)
     report_roofline(flops, ours_ms / 1e3, theirs_ms / 1e3, peak)
+    report_op_costs(ours_ops, theirs_ops, ours_ms, theirs_ms)
 
   print(f"(b) generate, {_MAX_NEW.value} new tokens after {_PROMPT_LEN.value}, the same "
         f"{len(prompts)} prompts at each batch size; median of {_REPEATS.value}:")
