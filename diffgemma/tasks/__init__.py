@@ -1,0 +1,33 @@
+"""Tasks by name: `config.task.name` picks the module that builds the run's `Task`.
+
+Only this registry, the task modules themselves and `configs/` name a task module; everything
+else receives a `Task` (diffgemma/tasks/base.py) from `make_task`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import ml_collections
+
+from diffgemma.tasks.base import Layout, Prompts, Task
+
+# name -> module defining `from_config(config) -> Task`.
+TASKS = {"sudoku": "diffgemma.tasks.sudoku", "chat": "diffgemma.tasks.chat"}
+DEFAULT_TASK = "sudoku"  # configs written before tasks existed are Sudoku runs
+
+
+def task_name(config: ml_collections.ConfigDict) -> str:
+  section = config.get("task")
+  name = section.get("name", DEFAULT_TASK) if section is not None else DEFAULT_TASK
+  if name not in TASKS:
+    raise ValueError(f"unknown task.name {name!r}; choose one of {tuple(TASKS)}")
+  return name
+
+
+def make_task(config: ml_collections.ConfigDict) -> Task:
+  """The run's task, built from (and validating) its config sections; ValueError if bad."""
+  return importlib.import_module(TASKS[task_name(config)]).from_config(config)
+
+
+__all__ = ["Layout", "Prompts", "Task", "TASKS", "make_task", "task_name"]
