@@ -1,9 +1,14 @@
-"""Evaluate the latest checkpoint of a run on a Kaggle-format Sudoku CSV.
+"""Evaluate a run's latest checkpoint (or any model checkpoint) on a held-out file of its task.
 
-  python eval.py --workdir=/tmp/sudoku --data=puzzles.csv [--limit=300]
-  python eval.py --init_from=CHECKPOINT_DIR --data=puzzles.csv [--config=sft_sudoku]
+  python eval.py --workdir=DIR --data=FILE [--limit=N]
+  python eval.py --workdir=DIR --data=HELDOUT.jsonl --metric=exact|choice|gsm8k|regex \
+      [--answer_regex=RE]                                   # chat runs
+  python eval.py --init_from=CHECKPOINT_DIR --data=FILE --config=CONFIG
 
-The last line printed is one JSON object of metrics.
+The task of the run (config.task.name) reads the file: a Kaggle-format CSV of puzzles for
+Sudoku, a JSONL of conversations for chat (the last assistant turn is the reference). Every
+prediction is written as one JSON line to DIR/predictions/<file>-step<N>.jsonl (--workdir; with
+--init_from, to --predictions if given). The last line printed is one JSON object of metrics.
 """
 
 import json
@@ -21,14 +26,32 @@ _INIT_FROM = flags.DEFINE_string(
     "workdir), evaluated with --config's task and sampler settings.")
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Task/sampler config for --init_from (default sft_sudoku).")
-_DATA = flags.DEFINE_string("data", None, "CSV with header quizzes,solutions.")
-_LIMIT = flags.DEFINE_integer("limit", None, "Evaluate only the first N puzzles.")
+_DATA = flags.DEFINE_string("data", None, "Held-out file of the run's task (Sudoku: CSV with "
+                            "header quizzes,solutions; chat: JSONL).")
+_LIMIT = flags.DEFINE_integer("limit", None, "Evaluate only the first N examples.")
 _BATCH = flags.DEFINE_integer("batch_size", None, "Sampler batch (default: the run's eval batch).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
+_METRIC = flags.DEFINE_string("metric", None, "Chat tasks: exact | choice | gsm8k | regex "
+                              "(default: the run's eval.metric).")
+_ANSWER_REGEX = flags.DEFINE_string("answer_regex", None, "Chat tasks, --metric=regex: the "
+                                    "answer is the regex's first group.")
+_PREDICTIONS = flags.DEFINE_string("predictions", None, "Where to write the predictions JSONL "
+                                   "(default: inside --workdir).")
 _TRAJECTORY = flags.DEFINE_bool(
     "trajectory_stats", False, "Record the sampler's trajectories; add settle_steps_per_canvas "
-    "(the mean step from which the argmax canvas stopped changing) and step_profile (per step: "
-    "blank cells accepted / correct, entropy spent on blanks and givens), printed as a table.")
+    "(the mean step from which the argmax canvas stopped changing) and the task's step_profile "
+    "(Sudoku, per step: blank cells accepted / correct, entropy on blanks and givens), printed "
+    "as a table.")
+
+
+def eval_overrides() -> dict:
+  """config.eval keys set by flags (checked against the task when the run loads)."""
+  overrides = {}
+  if _METRIC.value is not None:
+    overrides["metric"] = _METRIC.value
+  if _ANSWER_REGEX.value is not None:
+    overrides["answer_regex"] = _ANSWER_REGEX.value
+  return overrides
 
 
 def main(argv):
@@ -37,27 +60,46 @@ def main(argv):
     raise cli.UserError("--data and one of --workdir or --init_from are required")
   if _LIMIT.value is not None and _LIMIT.value <= 0:
     raise cli.UserError(f"--limit must be positive, got {_LIMIT.value}")
-  from diffgemma import evaluation, runs, sudoku
+  if _BATCH.value is not None and _BATCH.value <= 0:
+    raise cli.UserError(f"--batch_size must be positive, got {_BATCH.value}")
+  if not os.path.isfile(_DATA.value):
+    raise cli.UserError(f"--data file {_DATA.value!r} not found")
+  from diffgemma import evaluation, runs
 
-  puzzles, solutions = sudoku.load_csv(_DATA.value, _LIMIT.value)
+  overrides = {"record_trajectory": True} if _TRAJECTORY.value else {}
   if _WORKDIR.value:
-    run = runs.load_run(_WORKDIR.value)
+    run = runs.load_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
   else:
     config = _CONFIG.value or cli.load_named_config("sft_sudoku")
-    run = runs.load_checkpoint_as_run(_INIT_FROM.value, config)
+    run = runs.load_checkpoint_as_run(_INIT_FROM.value, config, eval_overrides=eval_overrides(),
+                                      **overrides)
+  prompts = run.task.load_eval_file(_DATA.value, _LIMIT.value)
   batch = _BATCH.value or run.config.eval.batch_size
-  sampler_cfg = run.sampler_cfg
-  if _TRAJECTORY.value:
-    sampler_cfg = sampler_cfg.replace(record_trajectory=True)
-  with tqdm(total=len(puzzles), desc="eval", unit="puzzle") as bar:
-    metrics = evaluation.evaluate_sudoku(
-        run.params, run.model_cfg, sampler_cfg, puzzles, solutions, batch,
-        run.config.data.prompt_format, seed=_SEED.value,
+  with tqdm(total=len(prompts), desc="eval", unit="example") as bar:
+    metrics, predictions = evaluation.evaluate(
+        run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
         progress=bar, warmup=True)
   metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value))
+  path = _PREDICTIONS.value
+  if path is None and _WORKDIR.value:
+    name = os.path.splitext(os.path.basename(_DATA.value))[0]
+    path = os.path.join(_WORKDIR.value, "predictions", f"{name}-step{run.step}.jsonl")
+  if path:
+    write_jsonl(path, predictions)
+    metrics["predictions"] = os.path.abspath(path)
   if "step_profile" in metrics:
-    print(evaluation.format_step_profile(metrics["step_profile"]))
+    print(run.task.format_profile(metrics["step_profile"]))
   print(json.dumps(metrics))
+
+
+def write_jsonl(path: str, records) -> None:
+  """One JSON object per line, written to a temporary file and renamed (never half-written)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    for record in records:
+      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+  os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -32,26 +32,25 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer(
     "the sampler's (256).")
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
                            "Text mode: parameter dtype; default: the checkpoint's.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Sudoku mode: training run directory.")
-_PUZZLE = flags.DEFINE_string("puzzle", None, "Sudoku mode: 81 characters, row by row; "
-                              "'.' or '0' = blank.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A training run: its task reads --prompt (a "
+                               "chat message; a Sudoku puzzle) and shows every denoising step.")
+_PUZZLE = flags.DEFINE_string("puzzle", None, "Sudoku runs: 81 characters, row by row; "
+                              "'.' or '0' = blank (the same as --prompt).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
 
 
 def main(argv):
   del argv
-  text_mode = _INIT_FROM.value is not None or _PROMPT.value is not None
-  sudoku_mode = _WORKDIR.value is not None or _PUZZLE.value is not None
-  if text_mode and sudoku_mode:
-    raise cli.UserError("choose text mode (--init_from, --prompt) or Sudoku mode (--workdir, "
-                        "--puzzle), not both")
-  if text_mode:
+  if _INIT_FROM.value is not None and _WORKDIR.value is not None:
+    raise cli.UserError("choose a checkpoint (--init_from) or a training run (--workdir), not "
+                        "both")
+  if _WORKDIR.value is not None:
+    sample_run()
+  elif _INIT_FROM.value is not None:
     sample_text()
-  elif sudoku_mode:
-    sample_sudoku()
   else:
-    raise cli.UserError("give --init_from and --prompt (text), or --workdir and --puzzle "
-                        "(Sudoku)")
+    raise cli.UserError("give --init_from and --prompt (a checkpoint directory), or --workdir "
+                        "and --prompt / --puzzle (a training run)")
 
 
 # ----------------------------------------------------------------------------- text
@@ -156,45 +155,44 @@ def _stop_ids(path: str, hf_config: dict, tok, model_cfg) -> tuple[int, ...]:
   return tuple(dict.fromkeys(int(i) for i in ids if 0 <= int(i) < model_cfg.vocab_size))
 
 
-# ----------------------------------------------------------------------------- Sudoku
+# ----------------------------------------------------------------------------- a training run
 
 
-def sample_sudoku():
-  """Solve --puzzle with the run in --workdir, printing the canvas after every step."""
-  if not _WORKDIR.value or _PUZZLE.value is None:
-    raise cli.UserError("--workdir and --puzzle are required")
-  from diffgemma import sudoku
-
-  puzzle = sudoku.parse_puzzle_string(_PUZZLE.value)  # validate before loading anything heavy
+def sample_run():
+  """Reply to --prompt (Sudoku: --puzzle) with the run in --workdir, through the run's task,
+  printing the canvas after every denoising step."""
+  text = _PUZZLE.value if _PUZZLE.value is not None else _PROMPT.value
+  if not _WORKDIR.value or text is None:
+    raise cli.UserError("--workdir and --prompt (or --puzzle) are required")
   import jax
   import numpy as np
 
-  from diffgemma import data, runs, sampler
+  from diffgemma import runs, sampler
 
   run = runs.load_run(_WORKDIR.value, record_trajectory=True)
-  arrays = data.eval_arrays(puzzle[None], run.config.data.prompt_format)
+  prompts = run.task.prompt_from_text(text)  # validated before anything is sampled
   generate_fn = sampler.make_generate_fn(run.model_cfg, run.sampler_cfg)
-  out = jax.device_get(generate_fn(run.params, arrays["prompt"], arrays["valid"],
+  out = jax.device_get(generate_fn(run.params, prompts.prompt_NxP, prompts.valid_NxP,
                                    jax.random.PRNGKey(_SEED.value)))
   trajectory = out["trajectory"]
-  print(f"puzzle ({int(np.sum(puzzle > 0))} givens), checkpoint step {run.step}:")
-  print(sudoku.format_grid(puzzle, puzzle))
-  num_steps = int(np.sum(trajectory["valid"][0, :, 0]))
-  for n in range(num_steps):
-    prediction = data.tokens_to_digits(trajectory["argmax"][0, n, 0, :data.CANVAS_LEN])
-    accepted = int(np.sum(trajectory["accepted"][0, n, 0, :data.CANVAS_LEN]))
-    wrong_givens = int(np.sum((puzzle > 0) & (prediction != puzzle)))
-    print(f"\nstep {n + 1}/{run.sampler_cfg.max_denoising_steps}: {accepted} positions accepted, "
-          f"{wrong_givens} givens contradicted")
-    print(sudoku.format_grid(prediction, puzzle))
-  final = data.tokens_to_digits(out["tokens"][0, :data.CANVAS_LEN])
-  solved = sudoku.puzzle_solved(puzzle, final)
-  print(f"\nfinal grid after {num_steps} steps "
-        f"(tokens per forward {float(out['tokens_per_forward'][0]):.2f}):")
-  print(sudoku.format_grid(final, puzzle))
-  print("valid solution" if solved else
-        ("complete and valid but contradicts the givens" if sudoku.is_valid_solution(final) else
-         "not a valid solution"))
+  print(f"checkpoint step {run.step} ({run.task.name}); prompt:")
+  print(run.task.prompt_text(prompts))
+  c = run.model_cfg.canvas_length
+  num_canvases = int(out["num_canvases"][0])
+  for k in range(num_canvases):
+    num_steps = int(np.sum(trajectory["valid"][k, :, 0]))
+    for n in range(num_steps):
+      accepted = int(np.sum(trajectory["accepted"][k, n, 0]))
+      print(f"\ncanvas {k + 1}, step {n + 1}/{run.sampler_cfg.max_denoising_steps}: {accepted} "
+            "positions accepted")
+      print(run.task.reply_text(trajectory["argmax"][k, n, 0], prompts, first_slot=k * c))
+  print(f"\nfinal reply after {int(out['decoder_passes'][0])} denoising steps over "
+        f"{num_canvases} canvas(es) (tokens per forward "
+        f"{float(out['tokens_per_forward'][0]):.2f}):")
+  print(run.task.reply_text(out["tokens"][0], prompts))
+  verdict = run.task.verdict(prompts, out["tokens"][0])
+  if verdict:
+    print(verdict)
 
 
 if __name__ == "__main__":

@@ -59,21 +59,13 @@ def main(argv):
 
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
-  from diffgemma import sdrl, trainer  # after flag parsing, so bad flags fail fast
+  from diffgemma import memory_plan, train_loop  # after flag parsing, so bad flags fail fast
 
-  # A config with an `sdrl` section runs the SD·RL stage; any other, SFT.
-  stage = sdrl if sdrl.is_sdrl_config(_CONFIG.value) else trainer
-  try:
-    stage.validate_config(_CONFIG.value)
-  except (KeyError, TypeError, ValueError) as e:
-    raise cli.UserError(f"bad config: {e}") from e
   if _DRY_RUN.value:
-    if stage is not trainer:
-      raise cli.UserError("--dry_run plans SFT / LoRA training steps; this is an SD·RL config")
-    report = trainer.dry_run(_CONFIG.value, init_from=_INIT_FROM.value)
-    print(trainer.format_dry_run(report, _CONFIG.value))
+    report = memory_plan.dry_run(_CONFIG.value, init_from=_INIT_FROM.value)
+    print(memory_plan.format_report(report, _CONFIG.value))
     return
-  stage.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value)
+  train_loop.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value)
 
 
 if __name__ == "__main__":

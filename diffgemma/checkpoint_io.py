@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma import hf_weights, model
+from diffgemma import checkpointing, hf_weights, lora, model, run_config
 from diffgemma.config import ModelConfig
 from diffgemma.safetensors_io import CheckpointFormatError, SafetensorsDir, write_dir
 
@@ -75,15 +75,8 @@ def load_model(path: str, dtype: str | None = None, shardings=None, rng=None,
   """
   kind = directory_kind(path)
   if kind == WORKDIR:
-    from diffgemma import runs  # local: runs imports the trainer
-
-    run = runs.load_run(path)  # a LoRA run's adapters come merged into its base
-    cfg = run.model_cfg.replace(**overrides)
-    params = run.params
-    if dtype is not None:
-      params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
-      cfg = cfg.replace(param_dtype=dtype)
-    return cfg, _place_tree(params, shardings)
+    cfg, params, _ = load_workdir(path, dtype, shardings)
+    return cfg.replace(**overrides), params
   config = _read_json(os.path.join(path, CONFIG_FILE))
   if kind == ORBAX:
     return _load_orbax(path, config, dtype, shardings, overrides)
@@ -95,15 +88,63 @@ def read_model_config(path: str, dtype: str | None = None, **overrides: Any) -> 
   the parameters' shardings before `load_model` places them)."""
   kind = directory_kind(path)
   if kind == WORKDIR:
-    from diffgemma import checkpointing, trainer  # local: the trainer imports us
-
-    cfg = trainer.model_config(checkpointing.load_config(path))
+    cfg = run_config.model_config(checkpointing.load_config(path))
   elif kind == ORBAX:
     cfg = _orbax_model_config(path, _read_json(os.path.join(path, CONFIG_FILE)))
   else:
     config = _read_json(os.path.join(path, CONFIG_FILE))
     cfg = hf_weights.config_from_hf(config, param_dtype=dtype or "float32", **overrides)
   return cfg.replace(**({"param_dtype": dtype} if dtype else {}), **overrides)
+
+
+def load_workdir(path: str, dtype: str | None = None, shardings=None, step: int | None = None):
+  """(ModelConfig, params, step) of a training workdir's checkpoint (the latest by default),
+  reading the parameters alone: never the optimizer state. A LoRA run's adapters come merged
+  into its base (the base read from the checkpoint with `lora.save_base`, else from the run's
+  init_from), in the base's dtype."""
+  saved = checkpointing.load_config(path)
+  cfg = run_config.model_config(saved)
+  lora_cfg = run_config.lora_config(saved)
+  if step is None:
+    step = checkpointing.latest_step(path)
+    if step is None:
+      raise checkpointing.CheckpointError(
+          f"no checkpoint in {checkpointing.checkpoint_dir(path)!r} (train first, or check "
+          "the workdir)")
+
+  def placed(shapes, prefix=()):
+    def target(p, leaf):
+      sh = _sharding_at(shardings, prefix + _path_keys(p)) if not lora_cfg.enabled else None
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh or
+                                  jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    return jax.tree_util.tree_map_with_path(target, shapes)
+
+  if not lora_cfg.enabled:
+    target = {"params": placed(model.abstract_params(cfg))}
+    params = checkpointing.restore_subtree(path, step, target)["params"]
+  else:
+    base_cfg = cfg.replace(param_dtype=lora_cfg.base_dtype)
+    base_shape = model.abstract_params(base_cfg)
+    adapter_shape = jax.eval_shape(lambda b: lora.init(b, lora_cfg, jax.random.PRNGKey(0)),
+                                   base_shape)
+    target = {"params": placed(adapter_shape)}
+    if lora_cfg.save_base:
+      target["base"] = placed(base_shape)
+    restored = checkpointing.restore_subtree(path, step, target)
+    base = restored.get("base")
+    if base is None:
+      if not saved.get("init_from"):
+        raise checkpointing.CheckpointError(
+            f"LoRA run {path!r} has no saved base and no init_from in its config.json")
+      _, base = load_model(saved.init_from, dtype=lora_cfg.base_dtype)
+    params = lora.merge(base, restored["params"], lora_cfg)
+    params = _place_tree(params, shardings)
+  params_dtype = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
+  cfg = cfg.replace(param_dtype=params_dtype)
+  if dtype is not None and dtype != params_dtype:
+    params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+    cfg = cfg.replace(param_dtype=dtype)
+  return cfg, params, int(step)
 
 
 def _orbax_model_config(path: str, config: dict) -> ModelConfig:

@@ -68,3 +68,19 @@ def restore(mngr, step: int, abstract_state):
 
 def abstract(tree):
   return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def saved_keys(mngr, step: int) -> set[str]:
+  """Top-level keys of the state saved at `step` (read from its metadata, no arrays)."""
+  return set(mngr.item_metadata(step).keys())
+
+
+def restore_subtree(workdir: str, step: int, target):
+  """Only the leaves of `target` (a dict of some of the saved state's top-level keys, as
+  ShapeDtypeStructs with shardings) from checkpoint `step`: nothing else is read, e.g. an
+  evaluation never touches the optimizer state."""
+  path = os.path.join(checkpoint_dir(workdir), str(step), "default")
+  restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+  return ocp.PyTreeCheckpointer().restore(
+      path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                        partial_restore=True))

@@ -77,17 +77,20 @@ def _one_line(e: BaseException) -> str:
 
 
 def run(main, argv=None):
-  """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2)."""
+  """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2; a run that
+  stopped on purpose, e.g. on a non-finite loss: 3)."""
   # local: keep flag parsing light
-  from diffgemma import checkpointing, hf_weights, safetensors_io, sudoku, tokenizer
+  from diffgemma import checkpointing, errors, hf_weights, safetensors_io, tokenizer
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv))
-  user_errors = (UserError, sudoku.SudokuDataError, checkpointing.CheckpointError,
-                 hf_weights.WeightMappingError, safetensors_io.CheckpointFormatError,
-                 tokenizer.TokenizerError)
+  user_errors = (UserError, errors.InputError, errors.ConfigError,
+                 checkpointing.CheckpointError, hf_weights.WeightMappingError,
+                 safetensors_io.CheckpointFormatError, tokenizer.TokenizerError)
   try:
     main(argv)
   except user_errors as e:
     fail(_one_line(e))
+  except errors.RunStopped as e:
+    fail(_one_line(e), code=3)
   except KeyboardInterrupt:
     fail("interrupted", code=130)

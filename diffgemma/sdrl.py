@@ -1,58 +1,46 @@
-"""SD·RL (DESIGN.md §5): online sampler distillation + reinforcement learning after SFT.
+"""SD·RL: online sampler distillation + reinforcement learning after SFT, as a training stage.
 
-One iteration of the loop (`train`):
-  1. rollout: G samples per prompt from the current parameters with the production sampler
-     (`sampler.generate`, jitted, `record_trajectory=True`): every step's input canvas and
-     argmax, and which rows ran it;
-  2. rewards from a task verifier (`diffgemma.rewards`), group-relative advantages
-     A = (r - mean_G) / (std_G + eps) and from them each trajectory's weight (`advantages`);
+One rollout (every `updates_per_rollout` steps of the shared training loop):
+  1. G samples per prompt (`Task.rollout_prompts`) from the current parameters with the
+     production sampler (`sampler.generate`, jitted, `record_trajectory=True`): every step's
+     input canvas and argmax, and which rows ran it;
+  2. rewards from the task's verifier (`Task.reward`), shaped (`rewards.shape`), group-relative
+     advantages A = (r - mean_G) / (std_G + eps) and from them each trajectory's weight;
   3. states: a few steps of each canvas's trajectory (`select_steps`); the self-conditioning
      input the sampler had at each is rebuilt by replaying its decoder steps on the recorded
      canvases (`replay`; the recorder keeps canvases, not the [C, V] self-conditioning logits);
-  4. `updates_per_rollout` optimizer steps on the weighted loss: from each state, the decoder's
-     CE toward the trajectory's final canvas, times the trajectory's weight (`sdrl_loss`), plus
-     an optional anchor.
+then `updates_per_rollout` steps of the shared update step (`trainer.make_update_step`: mesh,
+LoRA, gradient accumulation, non-finite guard) on the weighted loss: from each state, the
+decoder's CE toward the trajectory's final canvas, times the trajectory's weight
+(`sdrl_loss`), plus an optional anchor.
 Modes (`sdrl.mode`): "both" (the design), "distill" (every advantage 1: plain self-distillation
 toward the model's own final canvases), "rl" (advantage-weighted denoising CE on forward-process
 corruptions of the final canvas instead of trajectory states).
 
-The checkpointed state has the SFT trainer's layout (step, params, opt_state, rng), so eval.py and
-sample.py read an SD·RL workdir as any training run. A step is one optimizer update; rollouts
-happen at multiples of `updates_per_rollout`, and checkpoints only there, so a resumed run redraws
-exactly the rollouts of an uninterrupted one.
+The checkpointed state is the SFT state, so eval.py and sample.py read an SD·RL workdir as any
+run. Rollouts happen at multiples of `updates_per_rollout`, and checkpoints only there, so a
+resumed run redraws exactly the rollouts of an uninterrupted one.
 
-Shape suffixes: B rollout rows (prompts x G), G group size, P prompt, K canvases, N max denoising
-steps, M states per canvas trajectory, U = K * M * B state rows, C canvas, V vocab, D hidden.
+Shape suffixes: B rollout rows (prompts x G), G group size, P prompt, K canvases, N max
+denoising steps, M states per canvas trajectory, S = K * M states per row (s = k * M + m), C
+canvas, V vocab, D hidden. A state batch is row-major ([B, S, ...]) so that gradient
+accumulation and batch sharding split it by rollout rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
-from tqdm import tqdm
 
-from diffgemma import (
-  checkpointing,
-  data,
-  diffusion,
-  losses,
-  model,
-  rewards,
-  sampler,
-  sudoku,
-  trainer,
-)
+from diffgemma import diffusion, losses, model, rewards, run_state, sampler, sharding
 from diffgemma.config import ModelConfig
-from diffgemma.tb_writer import ScalarWriter
+from diffgemma.tasks.base import Prompts, Task
 
 MODES = ("both", "distill", "rl")
 STATE_SELECTIONS = ("uniform", "first_k", "last_k", "all")
@@ -60,24 +48,13 @@ ADVANTAGE_NORMS = ("group_std", "group_mean", "none")
 ANCHORS = ("none", "kl", "sft")
 CELL_WEIGHTINGS = ("none", "consistent")
 ROLLOUT_STATS = ("tokens_per_forward", "steps_per_canvas", "num_tokens")
-# The config keys `trainer.make_optimizer` reads.
-OPTIMIZER_KEYS = ("optimizer", "num_train_steps", "freeze_router", "lora")
 # Independent random streams of one step, folded into the run's key.
 _ROLLOUT_STREAM, _STATES_STREAM, _UPDATE_STREAM = range(3)
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptConfig:
-  """Rollout prompts: generated Sudoku puzzles, givens uniform in [min_givens, max_givens]."""
-
-  seed: int = 7
-  min_givens: int = 28
-  max_givens: int = 46
-
-
-@dataclasses.dataclass(frozen=True)
 class SdrlConfig:
-  """Every SD·RL choice (config section `sdrl`; see configs/sdrl_sudoku.py for the values).
+  """Every generic SD·RL choice (config section `sdrl`; see configs/sdrl_sudoku.py).
 
   group_size: G samples per prompt; prompts_per_rollout prompts per rollout (B = their product).
   updates_per_rollout: optimizer steps on one rollout batch before the next rollout.
@@ -92,12 +69,11 @@ class SdrlConfig:
   reward_weight: lambda in the state weight A + lambda * r: reward-weighted distillation on top
     of the advantage, so a group whose samples all succeed (A = 0) still distils its
     trajectories toward fewer steps; 0 = the advantage alone.
-  cell_weighting: "none" (every target cell counts) or "consistent" (Sudoku: only the cells of
-    the final grid that the verifier finds consistent, `rewards.consistent_cells`, are
-    distilled; an unsolved grid's conflicting cells are not pushed toward).
+  cell_weighting: "none" (every target token counts) or "consistent" (only the tokens the
+    task's verifier finds consistent, `Task.token_weights`: e.g. Sudoku's consistent cells).
   anchor: "none"; "kl" KL(reference || model) of the decoder on the trained states, the
-    reference being the frozen initial parameters; "sft" the SFT loss on task data
-    (`config.data`, `anchor_batch_size` examples per update). Weighted by anchor_weight.
+    reference being the initial parameters; "sft" the SFT loss on the task's training data
+    (`anchor_batch_size` examples per update). Weighted by anchor_weight.
   """
 
   mode: str = "both"
@@ -115,8 +91,6 @@ class SdrlConfig:
   anchor: str = "none"
   anchor_weight: float = 0.0
   anchor_batch_size: int = 16
-  reward: rewards.RewardConfig = dataclasses.field(default_factory=rewards.RewardConfig)
-  prompts: PromptConfig = dataclasses.field(default_factory=PromptConfig)
 
   def __post_init__(self):
     for name, value, choices in (("mode", self.mode, MODES),
@@ -132,8 +106,6 @@ class SdrlConfig:
         raise ValueError(f"sdrl.{name} must be positive, got {getattr(self, name)}")
     if self.group_size < 2 and self.mode != "distill" and self.advantage_norm != "none":
       raise ValueError("group-relative advantages need sdrl.group_size >= 2")
-    if self.cell_weighting == "consistent" and self.reward.name != "sudoku":
-      raise ValueError("sdrl.cell_weighting='consistent' needs reward.name='sudoku'")
     if self.advantage_eps <= 0:
       raise ValueError("sdrl.advantage_eps must be positive")
     for name in ("negative_advantage_weight", "advantage_clip", "reward_weight", "anchor_weight"):
@@ -145,22 +117,23 @@ class SdrlConfig:
     return self.group_size * self.prompts_per_rollout
 
 
-def is_sdrl_config(config: ml_collections.ConfigDict) -> bool:
-  return "sdrl" in config
+_SECTIONS = ("reward", "prompts", "rollout_sampler", "reward_fn")
 
 
 def sdrl_config(config: ml_collections.ConfigDict) -> SdrlConfig:
-  section = config.sdrl.to_dict()
-  nested = {"reward": rewards.RewardConfig(**section.pop("reward")),
-            "prompts": PromptConfig(**section.pop("prompts"))}
-  section.pop("rollout_sampler")
-  return SdrlConfig(**section, **nested)
+  """The generic SD·RL knobs; `reward` (shaping here, the verifier's keys the task's),
+  `prompts` and `reward_fn` are read by the task, `rollout_sampler` by
+  `rollout_sampler_config`."""
+  section = {k: v for k, v in config.sdrl.to_dict().items() if k not in _SECTIONS}
+  return SdrlConfig(**section)
 
 
-def rollout_sampler_config(config: ml_collections.ConfigDict) -> sampler.SamplerConfig:
+def rollout_sampler_config(config: ml_collections.ConfigDict,
+                           stop_token_ids=()) -> sampler.SamplerConfig:
   """The sampler of the rollouts (`sdrl.rollout_sampler`), always recording trajectories."""
-  return sampler.SamplerConfig(**config.sdrl.rollout_sampler.to_dict()).replace(
-      record_trajectory=True, mode=sampler.DIFFUSION)
+  cfg = sampler.SamplerConfig(**config.sdrl.rollout_sampler.to_dict())
+  stops = tuple(dict.fromkeys(tuple(cfg.stop_token_ids) + tuple(stop_token_ids)))
+  return cfg.replace(record_trajectory=True, mode=sampler.DIFFUSION, stop_token_ids=stops)
 
 
 def num_states(cfg: SdrlConfig, sampler_cfg: sampler.SamplerConfig) -> int:
@@ -171,18 +144,20 @@ def num_states(cfg: SdrlConfig, sampler_cfg: sampler.SamplerConfig) -> int:
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """The SFT checks, then every SD·RL piece, so a bad value fails before any work starts."""
-  trainer.validate_config(config)
-  if trainer.lora_config(config).enabled:
-    raise ValueError("SD·RL trains the full model; set lora.enabled=False")
+  """The generic SD·RL checks (the task checks its own keys when it is built)."""
   cfg = sdrl_config(config)
   rollout_sampler_config(config)
-  sudoku.check_givens_range(cfg.prompts.min_givens, cfg.prompts.max_givens)
+  rewards.shaping_config(config.sdrl.get("reward"))
   # Checkpoints (and the end) fall between rollouts, so a resumed run redraws the same ones.
   for name in ("checkpoint_every", "num_train_steps"):
     if config[name] % cfg.updates_per_rollout:
       raise ValueError(f"{name}={config[name]} must be a multiple of "
                        f"sdrl.updates_per_rollout={cfg.updates_per_rollout}")
+  accum = config.get("grad_accum_steps", 1)
+  for name, rows in (("rollout rows (group_size x prompts_per_rollout)", cfg.rows),
+                     ("sdrl.anchor_batch_size", cfg.anchor_batch_size)):
+    if rows % accum:
+      raise ValueError(f"grad_accum_steps={accum} does not divide the {name} = {rows}")
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -294,19 +269,29 @@ def encode_context(params, model_cfg: ModelConfig, prompt_BxP, prompt_valid_BxP,
   return model.encode(params, model_cfg, tokens, cache, valid)[1]
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfig,
-                   cfg: SdrlConfig, prompt_BxP, prompt_valid_BxP, rollout: dict, weight_B, rng,
-                   cell_weight_BxL=None):
-  """The training batch of one rollout (jitted; configs static).
+def _row_major(x_KxMxB):
+  """[K, M, B, ...] -> [B, S = K * M, ...]."""
+  k, m, b = x_KxMxB.shape[:3]
+  x = jnp.moveaxis(x_KxMxB, 2, 0)
+  return x.reshape((b, k * m) + x_KxMxB.shape[3:])
 
-  rollout: `generate`'s output with a trajectory. Returns a dict: prompt_BxP, prompt_valid_BxP,
-  context_BxT, weight_B; per state row u = (k * M + m) * B + b: row_U, prefix_len_U,
-  target_UxC (canvas k's final argmax), valid_U (the state exists), step_U (its step, -1 for
-  "rl"); trajectory modes also canvas_UxC and self_cond_UxCxD (its decoder input). Plus scalars
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfig,
+                   cfg: SdrlConfig, accum: int, prompt_BxP, prompt_valid_BxP, rollout: dict,
+                   weight_B, rng, token_weight_BxL=None):
+  """The training batch of one rollout, row-major, and its replay statistics (jitted; configs
+  and the number of micro-batches `accum` static).
+
+  rollout: `generate`'s output with a trajectory. Returns (batch, stats). batch: prompt_BxP,
+  prompt_valid_BxP, context_BxT (the committed canvases), weight_B, norm_B (the number of valid
+  states of the whole batch over `accum`, on every row: a micro-batch's loss divided by it sums
+  to the whole batch's mean), and per state s = k * M + m of row b: prefix_len_BxS, target_BxSxC
+  (canvas k's final argmax), valid_BxS (the state exists), step_BxS (its step, -1 for "rl");
+  trajectory modes also canvas_BxSxC and self_cond_BxSxCxD (its decoder input); with
+  `token_weight_BxL` (a weight per generated token), token_weight_BxSxC. stats: scalars
   replay_agreement (share of replayed steps whose argmax canvas equals the recorded one) and
-  state_position (mean step / steps of the canvas, of valid states). With `cell_weight_BxL`
-  (a weight per generated token), also cell_weight_UxC: each state's target cells' weights.
+  state_position (mean step / steps of the canvas, of valid states).
   """
   traj = rollout["trajectory"]
   k_max, _, b, c = traj["canvas"].shape
@@ -315,76 +300,74 @@ def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerC
   num_steps_KxB = jnp.sum(traj["valid"], axis=1).astype(jnp.int32)
   last_KxBx1 = jnp.maximum(num_steps_KxB - 1, 0)[:, :, None]
   final_KxBxC = jnp.take_along_axis(traj["argmax"], last_KxBx1[:, None], axis=1)[:, 0]
+  per_state = lambda x_KxBx: jnp.broadcast_to(x_KxBx[:, None], (k_max, num) + x_KxBx.shape[1:])
+  prefix_KxB = jnp.broadcast_to((p + c * jnp.arange(k_max, dtype=jnp.int32))[:, None], (k_max, b))
   batch = {"prompt_BxP": prompt_BxP, "prompt_valid_BxP": prompt_valid_BxP,
            "context_BxT": context_tokens(rollout["tokens"], model_cfg),
-           "weight_B": weight_B,
-           "row_U": jnp.tile(jnp.arange(b, dtype=jnp.int32), k_max * num),
-           "prefix_len_U": jnp.repeat(p + c * jnp.arange(k_max, dtype=jnp.int32), num * b),
-           "target_UxC": jnp.broadcast_to(final_KxBxC[:, None], (k_max, num, b, c)).reshape(-1, c)}
-  if cell_weight_BxL is not None:
-    weight_KxBxC = jnp.asarray(cell_weight_BxL, jnp.float32).reshape(b, k_max, c).transpose(1, 0, 2)
-    batch["cell_weight_UxC"] = jnp.broadcast_to(weight_KxBxC[:, None],
-                                                (k_max, num, b, c)).reshape(-1, c)
+           "weight_B": jnp.asarray(weight_B, jnp.float32),
+           "prefix_len_BxS": _row_major(per_state(prefix_KxB)),
+           "target_BxSxC": _row_major(per_state(final_KxBxC))}
+  if token_weight_BxL is not None:
+    weight_KxBxC = jnp.asarray(token_weight_BxL, jnp.float32).reshape(b, k_max, c).transpose(1, 0, 2)
+    batch["token_weight_BxSxC"] = _row_major(per_state(weight_KxBxC))
   if cfg.mode == "rl":
-    valid_KxMxB = jnp.broadcast_to((num_steps_KxB > 0)[:, None], (k_max, num, b))
-    batch.update(valid_U=valid_KxMxB.reshape(-1), step_U=jnp.full(k_max * num * b, -1),
-                 replay_agreement=jnp.ones(()), state_position=jnp.zeros(()))
-    return batch
-  pick_KxMxB = select_steps(num_steps_KxB, rng, cfg, num)
-  cache = encode_context(params, model_cfg, prompt_BxP, prompt_valid_BxP, batch["context_BxT"])
-  canvases, self_conds, agree, ran = [], [], 0, 0
-  for k in range(k_max):
-    canvas_cache = dict(cache, end=jnp.asarray(p + k * c, jnp.int32))
-    out = replay(params, model_cfg, sampler_cfg, canvas_cache, traj["canvas"][k],
-                 traj["valid"][k], jax.random.fold_in(rng, k), pick_KxMxB[k])
-    same_NxB = jnp.all(out["argmax"] == traj["argmax"][k], axis=-1)
-    agree += jnp.sum(same_NxB & traj["valid"][k])
-    ran += jnp.sum(traj["valid"][k])
-    index_MxBx1 = jnp.maximum(pick_KxMxB[k], 0)[:, :, None]
-    canvases.append(jnp.take_along_axis(traj["canvas"][k], index_MxBx1, axis=0))
-    self_conds.append(out["self_cond"])
-  valid_KxMxB = pick_KxMxB >= 0
-  position_KxMxB = pick_KxMxB / jnp.maximum(num_steps_KxB[:, None], 1)
-  batch.update(
-      canvas_UxC=jnp.stack(canvases).reshape(-1, c),
-      self_cond_UxCxD=jnp.stack(self_conds).reshape(k_max * num * b, c, -1),
-      valid_U=valid_KxMxB.reshape(-1), step_U=pick_KxMxB.reshape(-1),
-      replay_agreement=agree / jnp.maximum(ran, 1),
-      state_position=losses.masked_mean(position_KxMxB, valid_KxMxB))
-  return batch
+    valid_KxMxB = per_state(num_steps_KxB > 0)
+    stats = {"replay_agreement": jnp.ones(()), "state_position": jnp.zeros(())}
+    step_KxMxB = jnp.full(valid_KxMxB.shape, -1, jnp.int32)
+  else:
+    pick_KxMxB = select_steps(num_steps_KxB, rng, cfg, num)
+    cache = encode_context(params, model_cfg, prompt_BxP, prompt_valid_BxP, batch["context_BxT"])
+    canvases, self_conds, agree, ran = [], [], 0, 0
+    for k in range(k_max):
+      canvas_cache = dict(cache, end=jnp.asarray(p + k * c, jnp.int32))
+      out = replay(params, model_cfg, sampler_cfg, canvas_cache, traj["canvas"][k],
+                   traj["valid"][k], jax.random.fold_in(rng, k), pick_KxMxB[k])
+      same_NxB = jnp.all(out["argmax"] == traj["argmax"][k], axis=-1)
+      agree += jnp.sum(same_NxB & traj["valid"][k])
+      ran += jnp.sum(traj["valid"][k])
+      index_MxBx1 = jnp.maximum(pick_KxMxB[k], 0)[:, :, None]
+      canvases.append(jnp.take_along_axis(traj["canvas"][k], index_MxBx1, axis=0))
+      self_conds.append(out["self_cond"])
+    valid_KxMxB = pick_KxMxB >= 0
+    step_KxMxB = pick_KxMxB
+    position_KxMxB = pick_KxMxB / jnp.maximum(num_steps_KxB[:, None], 1)
+    batch.update(canvas_BxSxC=_row_major(jnp.stack(canvases)),
+                 self_cond_BxSxCxD=_row_major(jnp.stack(self_conds)))
+    stats = {"replay_agreement": agree / jnp.maximum(ran, 1),
+             "state_position": losses.masked_mean(position_KxMxB, valid_KxMxB)}
+  batch["valid_BxS"] = _row_major(valid_KxMxB)
+  batch["step_BxS"] = _row_major(step_KxMxB)
+  num_valid = jnp.maximum(jnp.sum(valid_KxMxB), 1).astype(jnp.float32)
+  batch["norm_B"] = jnp.full((b,), num_valid / accum, jnp.float32)
+  return batch, stats
 
 
 # ----------------------------------------------------------------------------- loss
 
 
-def _take_rows(cache, row_U):
-  """The cache of each state row's rollout row."""
-  take = lambda x: x[row_U]
-  return {"layers": jax.tree_util.tree_map(take, cache["layers"]), "valid": take(cache["valid"]),
-          "end": cache["end"]}
-
-
 def _decoder_logits(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg, batch, rng,
                     inputs=None):
-  """Decoder logits [U, C, V] on the state rows, and the inputs that produced them.
+  """Decoder logits [B * S, C, V] on the state rows, and the inputs that produced them.
 
   Trajectory modes: the recorded canvas and self-conditioning embedding. "rl": the final canvas
   corrupted at t ~ U(t_eps, 1), self-conditioned as in SFT. `inputs` (from a previous call)
   replays the same inputs, e.g. for the anchor's reference model.
   """
+  b, s = batch["valid_BxS"].shape
+  flat = lambda x: x.reshape((b * s,) + x.shape[2:])
   cache = encode_context(params, model_cfg, batch["prompt_BxP"], batch["prompt_valid_BxP"],
                          batch["context_BxT"])
-  cache_U = _take_rows(cache, batch["row_U"])
-  prefix_U = batch["prefix_len_U"]
+  cache_U = losses.take_cache_rows(cache, jnp.repeat(jnp.arange(b), s))
+  prefix_U = flat(batch["prefix_len_BxS"])
   if cfg.mode != "rl":
-    return model.decode(params, model_cfg, batch["canvas_UxC"], cache_U, prefix_U, None, None,
-                        batch["self_cond_UxCxD"]), None
+    return model.decode(params, model_cfg, flat(batch["canvas_BxSxC"]), cache_U, prefix_U, None,
+                        None, flat(batch["self_cond_BxSxCxD"])), None
   if inputs is not None:
     noisy_UxC, sc_logits, sc_mask_U = inputs
     return model.decode(params, model_cfg, noisy_UxC, cache_U, prefix_U, sc_logits,
                         sc_mask_U), inputs
   t_rng, noise_rng = jax.random.split(rng)
-  target_UxC = batch["target_UxC"]
+  target_UxC = flat(batch["target_BxSxC"])
   t_U = diffusion.sample_noise_level(t_rng, target_UxC.shape[0], loss_cfg.t_eps)
   noisy_UxC = diffusion.corrupt(noise_rng, target_UxC, t_U, model_cfg.vocab_size,
                                 loss_cfg.noise_schedule)
@@ -394,23 +377,26 @@ def _decoder_logits(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg, b
 
 
 def sdrl_loss(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg: losses.LossConfig,
-              batch: dict, rng, reference_params=None, anchor_batch=None):
+              batch: dict, rng, reference_params=None, anchor_batch=None, anchor_layout=None):
   """(loss, metrics): weighted decoder CE toward the final canvases, plus the anchor.
 
-  loss = sum_u w[row_u] * CE_u / #valid states + anchor_weight * anchor, with w the rows'
-  weights (`advantages`) and CE_u the mean over the canvas of the decoder's CE toward state u's
-  final canvas (each cell times its cell_weight_UxC when the batch has one).
+  loss = sum_{b,s} w_b * CE_{b,s} / norm + anchor_weight * anchor, with w the rows' weights
+  (`advantages`), CE_{b,s} the mean over the canvas of the decoder's CE toward state (b, s)'s
+  final canvas (each token times its token_weight when the batch has them), summed over valid
+  states, and norm = batch["norm_B"] (the whole batch's valid-state count per micro-batch).
   """
   decode_rng, anchor_rng = jax.random.split(rng)
   logits_UxCxV, inputs = _decoder_logits(params, model_cfg, cfg, loss_cfg, batch, decode_rng)
-  target_UxC, valid_U = batch["target_UxC"], batch["valid_U"]
+  b, s = batch["valid_BxS"].shape
+  target_UxC = batch["target_BxSxC"].reshape(b * s, -1)
+  valid_U = batch["valid_BxS"].reshape(-1)
   ce_UxC = losses.cross_entropy(logits_UxCxV, target_UxC)
-  if "cell_weight_UxC" in batch:  # masked cells count as zero, not renormalised away
-    ce_UxC = ce_UxC * batch["cell_weight_UxC"]
+  if "token_weight_BxSxC" in batch:  # masked tokens count as zero, not renormalised away
+    ce_UxC = ce_UxC * batch["token_weight_BxSxC"].reshape(b * s, -1)
   ce_U = jnp.mean(ce_UxC, axis=-1)
-  weight_U = batch["weight_B"][batch["row_U"]] * valid_U
-  num_valid = jnp.maximum(jnp.sum(valid_U), 1)
-  policy_loss = jnp.sum(weight_U * ce_U) / num_valid
+  weight_U = jnp.repeat(batch["weight_B"], s) * valid_U
+  norm = batch["norm_B"][0]
+  policy_loss = jnp.sum(weight_U * ce_U) / norm
   correct_UxC = jnp.argmax(logits_UxCxV, axis=-1) == target_UxC
   metrics = {"policy_loss": policy_loss, "state_ce": losses.masked_mean(ce_U, valid_U),
              "state_token_accuracy": losses.masked_mean(jnp.mean(correct_UxC, -1), valid_U)}
@@ -421,9 +407,10 @@ def sdrl_loss(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg: losses.
     ref_logp = jax.nn.log_softmax(jax.lax.stop_gradient(ref_logits_UxCxV), axis=-1)
     logp = jax.nn.log_softmax(logits_UxCxV, axis=-1)
     kl_U = jnp.mean(jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1), axis=-1)
-    anchor = losses.masked_mean(kl_U, valid_U)
+    anchor = jnp.sum(kl_U * valid_U) / norm
   elif cfg.anchor == "sft":
-    anchor, _ = losses.sft_loss(params, model_cfg, loss_cfg, anchor_batch, anchor_rng)
+    anchor, _ = losses.sft_loss(params, model_cfg, loss_cfg, anchor_layout, anchor_batch,
+                                anchor_rng)
   if cfg.anchor != "none":
     metrics["anchor"] = anchor
   total = policy_loss + cfg.anchor_weight * anchor
@@ -436,62 +423,10 @@ def stream_key(state_rng, stream: int, step):
   return jax.random.fold_in(jax.random.fold_in(state_rng, stream), step)
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerSpec:
-  """The optimizer as a static (hashable) argument: `config.optimizer` and the schedule length,
-  as JSON, so equal configs share one compiled update step."""
-
-  config_json: str
-
-  @classmethod
-  def of(cls, config: ml_collections.ConfigDict) -> OptimizerSpec:
-    keys = [k for k in OPTIMIZER_KEYS if k in config]
-    return cls(ml_collections.ConfigDict({k: config[k] for k in keys}).to_json())
-
-  def build(self):
-    """(optax transformation, learning-rate schedule), as `trainer.make_optimizer`."""
-    return trainer.make_optimizer(ml_collections.ConfigDict(json.loads(self.config_json)))
+# ----------------------------------------------------------------------------- the stage
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4), donate_argnums=0)
-def update_step(state, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg: losses.LossConfig,
-                optimizer: OptimizerSpec, batch, reference_params, anchor_batch):
-  """One optimizer step on `sdrl_loss`: (state, metrics). The step's randomness is a function of
-  the state's key and step, so a resumed run draws what an uninterrupted one would."""
-  tx, schedule = optimizer.build()
-  rng = stream_key(state["rng"], _UPDATE_STREAM, state["step"])
-  grad_fn = jax.value_and_grad(sdrl_loss, has_aux=True)
-  (_, metrics), grads = grad_fn(state["params"], model_cfg, cfg, loss_cfg, batch, rng,
-                                reference_params, anchor_batch)
-  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-  metrics["grad_norm"] = optax.tree.norm(grads)
-  metrics["learning_rate"] = schedule(state["step"])
-  return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
-          "opt_state": opt_state, "rng": state["rng"]}, metrics
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
-def rollout_prompts(cfg: SdrlConfig, iteration: int, prompt_format: str):
-  """Iteration `iteration`'s prompts, each repeated G times: (prompt_BxP, valid_BxP, task).
-
-  Puzzle i of the stream is a pure function of (seed, i): a resumed run sees the same prompts.
-  """
-  p = cfg.prompts
-  source = data.CurriculumSudokuSource(
-      p.seed, cfg.prompts_per_rollout, iteration + 1,
-      data.GivensCurriculum(p.min_givens, p.max_givens, p.min_givens, p.max_givens, 0))
-  first = iteration * cfg.prompts_per_rollout
-  records = [source[i] for i in range(first, first + cfg.prompts_per_rollout)]
-  repeat = lambda key: np.repeat(np.stack([r[key] for r in records]), cfg.group_size, axis=0)
-  task = {"puzzle": repeat("puzzle"), "solution": repeat("solution")}
-  task["target"] = data.solution_tokens(task["solution"])
-  arrays = data.eval_arrays(task["puzzle"], prompt_format)
-  return arrays["prompt"], arrays["valid"], task
-
-
-def _rollout_metrics(rollout: dict, rewarded: dict, weight_B, cfg: SdrlConfig) -> dict:
+def _rollout_metrics(stats: dict, rewarded: dict, weight_B, cfg: SdrlConfig) -> dict:
   reward_PxG = rewarded["reward"].reshape(-1, cfg.group_size)
   return {
       "rollout/reward_mean": float(np.mean(rewarded["reward"])),
@@ -499,144 +434,146 @@ def _rollout_metrics(rollout: dict, rewarded: dict, weight_B, cfg: SdrlConfig) -
       "rollout/group_reward_std": float(np.mean(np.std(reward_PxG, axis=1))),
       "rollout/score_mean": float(np.mean(rewarded["score"])),
       "rollout/accuracy": float(np.mean(rewarded["correct"])),
-      "rollout/tokens_per_forward": float(np.mean(rollout["tokens_per_forward"])),
-      "rollout/steps_per_canvas": float(np.mean(rollout["steps_per_canvas"])),
+      "rollout/tokens_per_forward": float(np.mean(stats["tokens_per_forward"])),
+      "rollout/steps_per_canvas": float(np.mean(stats["steps_per_canvas"])),
       "rollout/weight_mean": float(np.mean(weight_B)),
   }
 
 
-def _load_reference(config, cfg: SdrlConfig):
-  """The frozen initial parameters, needed only by the KL anchor."""
-  if cfg.anchor != "kl":
-    return None
-  return trainer.load_initial_params(ml_collections.ConfigDict(config.to_dict()),
-                                     config.init_from)
+class SdrlStage:
+  """SD·RL as a stage of the shared loop: rollouts every `updates_per_rollout` steps, the
+  weighted distillation / RL loss on their states, the anchor's batches."""
 
+  name = "sdrl"
+  update_stream = _UPDATE_STREAM  # the update's randomness: stream_key(rng, this, step)
 
-def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None = None,
-          init_from: str | None = None) -> dict:
-  """Run (or resume) SD·RL in `workdir`, starting a new run from `init_from`'s parameters.
-
-  Mirrors `trainer.train`: `stop_at` ends this invocation at that step (rounded up to the end of
-  its rollout) with a checkpoint, as a preemption would; `max_train_minutes` stops likewise.
-  Returns the last logged metrics.
-  """
-  config = ml_collections.ConfigDict(config.to_dict())  # adopting an architecture edits it
-  start_step = checkpointing.latest_step(workdir)
-  if start_step is None and not init_from:
-    raise checkpointing.CheckpointError(
-        "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")
-  os.makedirs(workdir, exist_ok=True)
-  mngr = checkpointing.manager(workdir, keep=config.keep_checkpoints)
-  if start_step is not None:
-    # The SFT trainer's state layout, so eval.py and sample.py read SD·RL runs unchanged.
-    config, _, state, _, start_step = trainer.restore_run(workdir, config)
-    print(f"resumed from step {start_step} in {workdir}" +
-          (" (--init_from applies only to a new run)" if init_from else ""))
-  else:
-    start_step = 0
-    print(f"initialising from {init_from}")
-    params = trainer.load_initial_params(config, init_from)
-    with config.unlocked():
-      config.init_from = os.path.abspath(init_from)
+  def __init__(self, config, task: Task, setup: run_state.Setup):
     validate_config(config)
-    state = trainer.init_state(config, trainer.make_setup(config), params)
-    checkpointing.save_config(workdir, config)
-  # Committed like the update's outputs (a fresh state's scalars are not), so each jitted
-  # function compiles once.
-  state = jax.jit(lambda state: state, donate_argnums=0)(state)
-  model_cfg = trainer.model_config(config)
-  optimizer = OptimizerSpec.of(config)
-  cfg = sdrl_config(config)
-  loss_cfg = trainer.loss_config(config)
-  rollout_cfg = rollout_sampler_config(config)
-  eval_sampler_cfg = trainer.sampler_config(config)
-  reference_params = _load_reference(config, cfg)
-  n_updates = cfg.updates_per_rollout
-  print(f"model: {model.count_params(state['params']) / 1e6:.3f}M parameters; SD·RL updates "
-        f"{start_step}..{config.num_train_steps} ({cfg.mode}, {cfg.rows} rollouts of "
-        f"{cfg.prompts_per_rollout} prompts x G={cfg.group_size}, {n_updates} update(s) each)")
+    self.task, self.setup = task, setup
+    self.cfg = sdrl_config(config)
+    self.rollout_cfg = rollout_sampler_config(config, task.stop_token_ids)
+    self.shaping = rewards.shaping_config(config.sdrl.get("reward"))
+    self.num_steps = config.num_train_steps
+    if self.cfg.cell_weighting != "none" and task.token_weights(
+        task.rollout_prompts(0, 1), np.zeros((1, task.layout.response_len), np.int32)) is None:
+      raise ValueError(f"sdrl.cell_weighting={self.cfg.cell_weighting!r}: the "
+                       f"{task.name} task gives no token weights")
+    self.generate_fn = sampler.make_generate_fn(setup.model_cfg, self.rollout_cfg)
+    self._reference = None
+    if self.cfg.anchor == "kl" and not setup.uses_lora:
+      # The initial parameters; a LoRA run's reference is its frozen base (adapters start at 0).
+      self._reference = run_state.load_initial_params(
+          ml_collections.ConfigDict(config.to_dict()), config.init_from, setup.mesh,
+          setup.rules)
+    self._anchor_batches = self._rollout = None
 
-  generate_fn = sampler.make_generate_fn(model_cfg, rollout_cfg)
-  anchor_batches = (data.train_batches(config.data, cfg.anchor_batch_size,
-                                       config.num_train_steps, start_step,
-                                       model_cfg.canvas_length)
-                    if cfg.anchor == "sft" else None)
-  writer = ScalarWriter(os.path.join(workdir, "tensorboard"))
-  eval_set = (trainer.held_out_puzzles(config.eval) if config.eval.every_steps > 0
-              else (None, None))
-  eval_generate_fn = sampler.make_generate_fn(model_cfg, eval_sampler_cfg)
-  stops = sampler.stop_ids(model_cfg, rollout_cfg)
+  def start(self, state, frozen, start_step: int):
+    del state
+    if self.setup.uses_lora and self.cfg.anchor == "kl":
+      self._reference = frozen
+    if self.cfg.anchor == "sft":
+      self._anchor_batches = self.task.train_batches(
+          self.cfg.anchor_batch_size, self.num_steps, start_step, jax.process_index(),
+          jax.process_count())
 
-  end_time = trainer.deadline(config)
-  last = {}
-  bar = tqdm(total=config.num_train_steps, initial=start_step, desc="sdrl", unit="update",
-             dynamic_ncols=True)
-  step = start_step
-  try:
-    while step < config.num_train_steps:
-      t_start = time.perf_counter()
-      prompt_BxP, valid_BxP, task = rollout_prompts(cfg, step // n_updates,
-                                                    config.data.prompt_format)
-      rollout = generate_fn(state["params"], prompt_BxP, valid_BxP,
-                            stream_key(state["rng"], _ROLLOUT_STREAM, step))
-      tokens_BxL = np.asarray(rollout["tokens"])
-      t_rollout = time.perf_counter()
-      stats = jax.device_get({key: rollout[key] for key in ROLLOUT_STATS})
-      rewarded = rewards.compute(cfg.reward, tokens_BxL, task, stats["steps_per_canvas"],
-                                 stats["num_tokens"], rollout_cfg.max_denoising_steps,
-                                 rollout_cfg.max_new_tokens, stops, model_cfg.pad_token_id)
-      weight_B = advantages(rewarded["reward"], cfg)
-      cell_weight_BxL = None
-      if cfg.cell_weighting == "consistent":
-        cell_weight_BxL = rewards.consistent_token_mask(tokens_BxL, task).astype(np.float32)
-      batch = prepare_states(state["params"], model_cfg, rollout_cfg, cfg, prompt_BxP, valid_BxP,
-                             rollout, weight_B, stream_key(state["rng"], _STATES_STREAM, step),
-                             cell_weight_BxL)
-      jax.block_until_ready(batch)
-      t_states = time.perf_counter()
-      for _ in range(n_updates):
-        anchor_batch = next(anchor_batches) if anchor_batches is not None else None
-        state, metrics = update_step(state, model_cfg, cfg, loss_cfg, optimizer, batch,
-                                     reference_params, anchor_batch)
-        step += 1
-      metrics = jax.tree_util.tree_map(float, jax.device_get(metrics))
-      t_end = time.perf_counter()
-      bar.update(n_updates)
+  def loss_fn(self, params, batch, rng):
+    return sdrl_loss(params, self.setup.model_cfg, self.cfg, self.setup.loss_cfg,
+                     batch["states"], rng, self._reference, batch.get("anchor"),
+                     self.task.layout)
 
-      total = t_end - t_start
-      metrics.update(_rollout_metrics(stats, rewarded, np.asarray(weight_B), cfg))
-      metrics.update({
-          "states/replay_agreement": float(batch["replay_agreement"]),
-          "states/position": float(batch["state_position"]),
-          "time/seconds_per_rollout": total,
-          "time/rollout_share": (t_rollout - t_start) / total,
-          "time/states_share": (t_states - t_rollout) / total,  # rewards + replay
-          "time/update_share": (t_end - t_states) / total})
-      if step % config.log_every < n_updates or step >= config.num_train_steps:
-        writer.write(step, metrics)
-      bar.set_postfix(
-          r=f"{metrics['rollout/reward_mean']:.2f}±{metrics['rollout/reward_std']:.2f}",
-          acc=f"{metrics['rollout/accuracy']:.2f}",
-          TPF=f"{metrics['rollout/tokens_per_forward']:.1f}",
-          steps=f"{metrics['rollout/steps_per_canvas']:.1f}",
-          time=f"rollout {metrics['time/rollout_share']:.0%} "
-               f"update {metrics['time/update_share']:.0%}")
-      last.update(metrics)
+  def is_boundary(self, step: int) -> bool:
+    return step % self.cfg.updates_per_rollout == 0
 
-      timed_out = end_time is not None and time.time() > end_time
-      final = step >= config.num_train_steps
-      stopping = timed_out or (stop_at is not None and step >= stop_at)
-      if config.eval.every_steps > 0 and (step % config.eval.every_steps < n_updates or final
-                                          or stopping):
-        last.update(trainer.evaluate_and_log(step, state["params"], model_cfg, eval_sampler_cfg,
-                                             config, eval_set, eval_generate_fn, writer))
-      if step % config.checkpoint_every == 0 or final or stopping:
-        checkpointing.save(mngr, step, state)
-      if timed_out:
-        tqdm.write(f"stopping at step {step}: max_train_minutes={config.max_train_minutes} reached")
-      if stopping:
-        break
-  finally:
-    trainer.close_run(bar, mngr, writer)
-  return last
+  def tokens_per_batch(self):
+    return None
+
+  @staticmethod
+  def progress_fields(metrics):
+    return {"r": f"{metrics['rollout/reward_mean']:.2f}±{metrics['rollout/reward_std']:.2f}",
+            "acc": f"{metrics['rollout/accuracy']:.2f}",
+            "TPF": f"{metrics['rollout/tokens_per_forward']:.1f}",
+            "steps": f"{metrics['rollout/steps_per_canvas']:.1f}"}
+
+  def _prompts(self, iteration: int) -> Prompts:
+    return self.task.rollout_prompts(iteration, self.cfg.prompts_per_rollout).repeat(
+        self.cfg.group_size)
+
+  def rollout(self, step, state, frozen):
+    """One rollout from the current parameters: (state batch, host metrics)."""
+    t_start = time.perf_counter()
+    params = run_state.model_params(state["params"], frozen, self.setup.lora_cfg)
+    prompts = self._prompts(step // self.cfg.updates_per_rollout)
+    out = self.generate_fn(params, prompts.prompt_NxP, prompts.valid_NxP,
+                           stream_key(state["rng"], _ROLLOUT_STREAM, step))
+    tokens_BxL = np.asarray(out["tokens"])
+    t_rollout = time.perf_counter()
+    stats = jax.device_get({key: out[key] for key in ROLLOUT_STATS})
+    score, correct = self.task.reward(prompts, tokens_BxL)
+    rewarded = rewards.shape(self.shaping, score, correct, stats["steps_per_canvas"],
+                             stats["num_tokens"], self.rollout_cfg.max_denoising_steps,
+                             self.rollout_cfg.max_new_tokens)
+    weight_B = advantages(rewarded["reward"], self.cfg)
+    token_weight_BxL = (self.task.token_weights(prompts, tokens_BxL)
+                        if self.cfg.cell_weighting != "none" else None)
+    batch, replay_stats = prepare_states(
+        params, self.setup.model_cfg, self.rollout_cfg, self.cfg, self.setup.grad_accum_steps,
+        prompts.prompt_NxP, prompts.valid_NxP, out, weight_B,
+        stream_key(state["rng"], _STATES_STREAM, step), token_weight_BxL)
+    replay_stats = jax.device_get(replay_stats)
+    t_states = time.perf_counter()
+    metrics = _rollout_metrics(stats, rewarded, np.asarray(weight_B), self.cfg)
+    metrics.update({
+        "states/replay_agreement": float(replay_stats["replay_agreement"]),
+        "states/position": float(replay_stats["state_position"]),
+        # The rollout's host-side time: sampling, then rewards and the state replay.
+        "time/rollout_seconds": t_states - t_start,
+        "time/sampling_share": (t_rollout - t_start) / (t_states - t_start)})
+    return batch, metrics
+
+  def next_batch(self, step, state, frozen):
+    metrics = {}
+    if self._rollout is None or step % self.cfg.updates_per_rollout == 0:
+      self._rollout, metrics = self.rollout(step, state, frozen)
+    batch = {"states": self._rollout}
+    if self._anchor_batches is not None:
+      batch["anchor"] = {k: np.asarray(v) for k, v in next(self._anchor_batches).items()}
+    return batch, metrics
+
+  def rollout_program(self, state, frozen):
+    """(jitted program, abstract arguments) of one rollout's sampling, for --dry_run."""
+    model_cfg, lora_cfg = self.setup.model_cfg, self.setup.lora_cfg
+
+    def run(trainable, frozen, prompt_BxP, valid_BxP, rng):
+      params = run_state.model_params(trainable, frozen, lora_cfg)
+      return sampler.generate(params, model_cfg, self.rollout_cfg, prompt_BxP, valid_BxP, rng)
+
+    shape = (self.cfg.rows, self.task.layout.prompt_len)
+    rows = sharding.batch_sharding(self.setup.mesh, self.setup.rules, shape)
+    args = (state["params"], frozen, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
+            jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=rows),
+            jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding.replicated(self.setup.mesh)))
+    return jax.jit(run), args
+
+  def batch_shapes(self):
+    """Shapes of one update's batch, from the rollout and state programs traced abstractly."""
+    model_cfg, b = self.setup.model_cfg, self.cfg.rows
+    params = model.abstract_params(model_cfg)
+    p = self.task.layout.prompt_len
+    prompt = jax.ShapeDtypeStruct((b, p), jnp.int32)
+    valid = jax.ShapeDtypeStruct((b, p), jnp.bool_)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    out = jax.eval_shape(self.generate_fn, params, prompt, valid, key)
+    weights = jax.ShapeDtypeStruct((b,), jnp.float32)
+    token_weights = (jax.ShapeDtypeStruct(out["tokens"].shape, jnp.float32)
+                     if self.cfg.cell_weighting != "none" else None)
+    states, _ = jax.eval_shape(
+        lambda *a: prepare_states(a[0], model_cfg, self.rollout_cfg, self.cfg,
+                                  self.setup.grad_accum_steps, *a[1:]),
+        params, prompt, valid, out, weights, key, token_weights)
+    shapes = {"states": states}
+    if self.cfg.anchor == "sft":
+      shape = (self.cfg.anchor_batch_size, self.task.layout.seq_len)
+      shapes["anchor"] = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
+                          "valid": jax.ShapeDtypeStruct(shape, jnp.bool_),
+                          "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
+    return shapes

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 
-from diffgemma import sudoku
+from diffgemma.tasks import sudoku_puzzles as sudoku
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

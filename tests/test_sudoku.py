@@ -5,7 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from diffgemma import data, evaluation, sudoku
+from diffgemma.tasks import sudoku as data
+from diffgemma.tasks import sudoku_puzzles as sudoku
 
 # A well-known valid grid (Wikipedia's example solution).
 KNOWN_GRID_STR = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
@@ -357,7 +358,7 @@ def test_step_profile_against_a_loop():
   argmax = np.where(right, solution_tokens[None], rng.integers(0, data.DIGIT_OFFSET, (n, b, c)))
   traj = {"argmax": argmax[None], "accepted": (rng.random((n, b, c)) < 0.5)[None],
           "entropy": rng.random((n, b, c))[None].astype(np.float32), "valid": valid_NxB[None]}
-  got = evaluation.step_profile(traj, puzzles, solutions)
+  got = data.step_profile(traj, puzzles, solutions)
   for s in range(n):
     want = dict.fromkeys(evaluation.STEP_PROFILE_KEYS, 0.0)
     for row in range(b):

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import data, diffusion, losses, model, trainer
+from diffgemma import diffusion, losses, model, run_state, train_loop
+from diffgemma.tasks import Layout
+from diffgemma.tasks import sudoku as data
 from diffgemma.config import tiny
 from configs import sft_sudoku
 
@@ -63,12 +65,13 @@ def test_sft_loss_matches_hand_computation():
   loss_mask = jnp.asarray(np.arange(p + k * 4) >= p)[None].repeat(b, 0)
   loss_mask = loss_mask.at[1, p:p + 4].set(False)  # row 1: canvas 0 unsupervised -> k must be 1
   batch = {"tokens": tokens, "valid": jnp.ones_like(loss_mask), "loss_mask": loss_mask}
-  loss_cfg = losses.LossConfig(prompt_len=p, encoder_weight=0.5, self_conditioning_prob=0.5)
+  loss_cfg = losses.LossConfig(encoder_weight=0.5, self_conditioning_prob=0.5)
+  layout = Layout(p, k, 4)
   # Jitted: op-by-op dispatch of the model is ~5x slower than one compile.
-  sft_loss = jax.jit(losses.sft_loss, static_argnums=(1, 2))
+  sft_loss = jax.jit(losses.sft_loss, static_argnums=(1, 2, 3))
   encode = jax.jit(model.encode, static_argnums=1)
   decode = jax.jit(model.decode, static_argnums=1)
-  total, metrics = sft_loss(params, cfg, loss_cfg, batch, jax.random.PRNGKey(3))
+  total, metrics = sft_loss(params, cfg, loss_cfg, layout, batch, jax.random.PRNGKey(3))
 
   # Encoder CE by hand: next-token over supervised targets.
   cache = model.init_cache(cfg, b, p + k * 4)
@@ -136,13 +139,13 @@ def test_training_resumes_exactly(tmp_path):
   with_eval = config.copy_and_resolve_references()
   with_eval.eval.update(dict(every_steps=4, num_puzzles=2, batch_size=2))
   with_eval.sampler.max_denoising_steps = 2
-  straight_last = trainer.train(with_eval, straight)
+  straight_last = train_loop.train(with_eval, straight)
   assert 0.0 <= straight_last["eval/cell_accuracy"] <= 1.0
-  trainer.train(config, resumed, stop_at=2)
-  last = trainer.train(config, resumed)
+  train_loop.train(config, resumed, stop_at=2)
+  last = train_loop.train(config, resumed)
   assert np.isfinite(last["loss"])
-  *_, a, _, step_a = trainer.restore_run(straight)
-  *_, b, _, step_b = trainer.restore_run(resumed)
+  *_, a, _, step_a = run_state.restore_run(straight)
+  *_, b, _, step_b = run_state.restore_run(resumed)
   assert step_a == step_b == 4
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
   assert json.load(open(os.path.join(straight, "config.json")))["batch_size"] == 4

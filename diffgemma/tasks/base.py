@@ -51,8 +51,8 @@ class Prompts:
   """Sampler inputs and what the task needs to score the replies.
 
   prompt_NxP: int32, left-padded to the task's prompt length; valid_NxP: bool (False = pad).
-  references: one entry per row, opaque to generic code (the task's `score` and `reward` read
-  it); `take` keeps it aligned with the rows.
+  references: one entry per row (a list, or an array with rows first), opaque to generic code
+  (the task's `score` and `reward` read it); `take` keeps it aligned with the rows.
   records: optional per-row dicts written beside the predictions (e.g. the source line).
   """
 
@@ -67,7 +67,12 @@ class Prompts:
   def take(self, index) -> Prompts:
     """The rows `index` (a slice or an integer array), in that order."""
     rows = np.arange(len(self))[index]
-    pick = lambda seq: None if seq is None else [seq[int(i)] for i in rows]
+
+    def pick(seq):
+      if seq is None or isinstance(seq, np.ndarray):
+        return None if seq is None else seq[rows]
+      return [seq[int(i)] for i in rows]
+
     return Prompts(self.prompt_NxP[rows], self.valid_NxP[rows], pick(self.references),
                    pick(self.records))
 
@@ -111,6 +116,10 @@ class Task(abc.ABC):
     [B / process_count, L]. A pure function of the step (a resumed run sees exactly the batches
     an uninterrupted one would); process i gets its share of each global batch."""
 
+  def data_report(self) -> str | None:
+    """A few lines on the training data for the log (e.g. examples cut or dropped), or None."""
+    return None
+
   # ---------------------------------------------------------------- evaluation
 
   @abc.abstractmethod
@@ -133,6 +142,17 @@ class Task(abc.ABC):
     del step, metrics
     return None
 
+  def profile_trajectory(self, prompts: Prompts, trajectory) -> dict | None:
+    """Optional per-denoising-step sums over recorded trajectories (eval.py --trajectory_stats):
+    {key: [N] float64} with a "rows" entry counting the examples that ran each step; sums, so
+    batches add up. None: the task has no profile."""
+    del prompts, trajectory
+    return None
+
+  def format_profile(self, profile: dict) -> str:
+    """A step profile (per-example means, as `evaluation.evaluate` returns it) as a table."""
+    return "\n".join(f"{key}: {values}" for key, values in profile.items())
+
   # ---------------------------------------------------------------- sampling from text
 
   @abc.abstractmethod
@@ -140,8 +160,20 @@ class Task(abc.ABC):
     """One prompt typed by a user (sample.py --prompt), validated, as a 1-row batch."""
 
   @abc.abstractmethod
-  def reply_text(self, tokens_L: np.ndarray) -> str:
-    """A generated row as text for people (a chat reply; a Sudoku grid)."""
+  def prompt_text(self, prompts: Prompts, row: int = 0) -> str:
+    """Row `row`'s prompt as text for people."""
+
+  @abc.abstractmethod
+  def reply_text(self, tokens, prompts: Prompts | None = None, row: int = 0,
+                 first_slot: int = 0) -> str:
+    """Generated tokens as text for people (a chat reply; a Sudoku grid with its givens marked
+    when `prompts` is given). `first_slot`: where `tokens` start in the reply (a later canvas
+    shown on its own starts at k * C)."""
+
+  def verdict(self, prompts: Prompts, tokens, row: int = 0) -> str | None:
+    """A one-line judgement of a finished reply against the prompt (None: nothing to say)."""
+    del prompts, tokens, row
+    return None
 
   @abc.abstractmethod
   def token_strings(self, tokens: Sequence[int]) -> list[str]:

@@ -1,4 +1,4 @@
-"""The Sudoku task: puzzle generation, solving, validation, CSV I/O and grain sources.
+"""Sudoku puzzles: generation, solving, validation, partial credit, CSV I/O and grain sources.
 
 Grids are flat numpy arrays of 81 cells in row-major order (`grid_81[9 * row + col]`),
 dtype int8, digits 1..9, and 0 for a blank cell. Batches are `[N, 81]`.
@@ -15,6 +15,8 @@ import tempfile
 from typing import Iterator, Optional
 
 import numpy as np
+
+from diffgemma import errors
 
 # ---------------------------------------------------------------------------
 # Geometry
@@ -50,7 +52,7 @@ _CSV_HEADER = "quizzes,solutions"
 _PUZZLE_CHARS_HINT = "(digits 1-9, '.' or '0' for blanks)"
 
 
-class SudokuDataError(ValueError):
+class SudokuDataError(errors.InputError):
   """Malformed user-supplied Sudoku data (CSV file or puzzle string). One-line message."""
 
 
@@ -408,6 +410,53 @@ def cell_accuracy(puzzles_Nx81, grids_Nx81, solutions_Nx81) -> float:
     return 1.0
   correct_Nx81 = _as_batch(grids_Nx81) == _as_batch(solutions_Nx81, "solutions")
   return float((correct_Nx81 & blank_Nx81).sum()) / num_blank
+
+
+# ---------------------------------------------------------------------------
+# Partial credit (SD·RL rewards): the units and cells a grid gets right
+# ---------------------------------------------------------------------------
+
+
+def _units_Nx27x9(grids_Nx81):
+  """The 27 units of each grid as rows of 9 cells: 9 rows, 9 columns, 9 boxes."""
+  g_Nx9x9 = np.asarray(grids_Nx81).reshape(-1, SIZE, SIZE)
+  b = BOX
+  boxes = g_Nx9x9.reshape(-1, b, b, b, b).transpose(0, 1, 3, 2, 4).reshape(-1, SIZE, SIZE)
+  return np.concatenate([g_Nx9x9, g_Nx9x9.transpose(0, 2, 1), boxes], axis=1)
+
+
+def unit_satisfaction(puzzles_Nx81, grids_Nx81):
+  """float[N]: fraction of the 27 units that hold 1..9 once each and keep their givens."""
+  grid_units = _units_Nx27x9(grids_Nx81)
+  given_units = _units_Nx27x9(puzzles_Nx81)
+  digits = np.arange(1, SIZE + 1)
+  permutation = (np.sort(grid_units, axis=-1) == digits).all(-1)
+  keeps_givens = ((given_units == BLANK) | (given_units == grid_units)).all(-1)
+  return (permutation & keeps_givens).mean(-1)
+
+
+def consistent_cells(puzzles_Nx81, grids_Nx81):
+  """bool[N, 81]: cells holding a digit that keeps the cell's given (if any) and occurs once in
+  its row, its column and its box. A solved grid is consistent everywhere; needs no solution."""
+  g_Nx9x9 = np.asarray(grids_Nx81).reshape(-1, SIZE, SIZE)
+  n, b = len(g_Nx9x9), BOX
+  onehot_Nx9x9xD = g_Nx9x9[..., None] == np.arange(1, SIZE + 1)
+  in_row = onehot_Nx9x9xD.sum(2, keepdims=True)
+  in_col = onehot_Nx9x9xD.sum(1, keepdims=True)
+  box_NxbxbxbxbxD = onehot_Nx9x9xD.reshape(n, b, b, b, b, -1)
+  in_box = box_NxbxbxbxbxD.sum((2, 4), keepdims=True)
+  in_box = np.broadcast_to(in_box, box_NxbxbxbxbxD.shape).reshape(onehot_Nx9x9xD.shape)
+  once = ((in_row == 1) & (in_col == 1) & (in_box == 1) & onehot_Nx9x9xD).any(-1)
+  puzzles = np.asarray(puzzles_Nx81)
+  keeps_given = (puzzles == BLANK) | (puzzles == np.asarray(grids_Nx81))
+  return once.reshape(n, -1) & keeps_given
+
+
+def blank_cell_accuracy(puzzles_Nx81, grids_Nx81, solutions_Nx81):
+  """float[N]: per puzzle, the fraction of its blank cells where the grid equals the solution."""
+  blank = np.asarray(puzzles_Nx81) == BLANK
+  correct = np.asarray(grids_Nx81) == np.asarray(solutions_Nx81)
+  return (correct & blank).sum(-1) / np.maximum(blank.sum(-1), 1)
 
 
 # ---------------------------------------------------------------------------

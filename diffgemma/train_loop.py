@@ -1,0 +1,247 @@
+"""The one training loop: SFT and SD·RL runs alike (a stage supplies the loss and batches).
+
+  train(config, workdir)   start a new run (random or --init_from) or resume the workdir's
+                           latest checkpoint exactly (step, optimizer, data position, RNG)
+
+Sections: configuration (everything checked before anything is written), state (new or
+restored), the loop (update step, logging, periodic evaluation through the task, checkpoints,
+deadline, the non-finite guard), and the close.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import ml_collections
+from tqdm import tqdm
+
+from diffgemma import (
+  checkpointing,
+  errors,
+  evaluation,
+  lora,
+  run_config,
+  run_state,
+  sampler,
+  sharding,
+  trainer,
+)
+from diffgemma.tasks import make_task
+from diffgemma.tasks.base import Task
+from diffgemma.tb_writer import ScalarWriter
+
+
+class NonFiniteError(errors.RunStopped):
+  """A run stopped on a non-finite loss or gradient norm. One-line message."""
+
+
+def is_sdrl(config: ml_collections.ConfigDict) -> bool:
+  """A config with an `sdrl` section runs the SD·RL stage; any other, SFT."""
+  return "sdrl" in config
+
+
+def make_stage(config, task: Task, setup: run_state.Setup):
+  if is_sdrl(config):
+    from diffgemma import sdrl
+
+    return sdrl.SdrlStage(config, task, setup)
+  return trainer.SftStage(config, task, setup)
+
+
+def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
+                   init_from: str | None):
+  """(config, task, resuming step or None): the run's config after adopting the saved run's or
+  the checkpoint's architecture, fully validated (a bad value is a one-line ConfigError; bad
+  task data a one-line InputError). Reads configs and task data only; writes nothing."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  step = checkpointing.latest_step(workdir) if workdir else None
+  if step is not None:
+    saved = checkpointing.load_config(workdir)
+    # The architecture is the run's, as saved when it started (possibly from --init_from).
+    run_state.adopt_architecture(config, run_config.model_config(saved))
+    if saved.get("init_from"):
+      with config.unlocked():
+        config.init_from = saved.init_from  # where a LoRA run's base lives
+  elif init_from:
+    with config.unlocked():
+      config.init_from = os.path.abspath(init_from)
+    run_state.adopt_checkpoint_architecture(config, init_from)
+  elif is_sdrl(config):
+    raise checkpointing.CheckpointError(
+        "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")
+  try:
+    run_config.validate(config)
+    task = make_task(config)
+    if config.model.vocab_size < task.min_vocab_size:
+      raise ValueError(f"model.vocab_size={config.model.vocab_size} is too small for the task "
+                       f"(needs {task.min_vocab_size})")
+    if is_sdrl(config):
+      from diffgemma import sdrl
+
+      sdrl.validate_config(config)
+  except errors.InputError:
+    raise
+  except (KeyError, TypeError, ValueError) as e:
+    raise errors.ConfigError(f"bad config: {_one_line(e)}") from None
+  return config, task, step
+
+
+def _one_line(e: BaseException) -> str:
+  text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().splitlines()
+  return text[0] if text else type(e).__name__
+
+
+def eval_params(state, frozen, lora_cfg: lora.LoraConfig):
+  """What the sampler runs: the trained params, or the base wrapped with the adapters."""
+  return run_state.model_params(state["params"], frozen, lora_cfg)
+
+
+def evaluate_and_log(step, params, task: Task, model_cfg, sampler_cfg, prompts, batch_size,
+                     generate_fn, writer) -> dict[str, float]:
+  """The periodic held-out evaluation: written to TensorBoard, printed above the progress bar
+  (with the task's warning when the metrics look unhealthy), returned as eval/* metrics."""
+  metrics, _ = evaluation.evaluate(task, params, model_cfg, sampler_cfg, prompts, batch_size,
+                                   seed=step, generate_fn=generate_fn)
+  shown = [f"{k}={v:.3f}" for k, v in metrics.items() if k.endswith("accuracy")]
+  tqdm.write(f"step {step}: eval {' '.join(shown)} TPF={metrics['tokens_per_forward']:.2f} "
+             f"steps/canvas={metrics['steps_per_canvas']:.1f}")
+  warning = task.plateau_warning(step, metrics)
+  if warning:
+    tqdm.write(warning)
+  metrics = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+  writer.write(step, metrics)
+  return metrics
+
+
+def _check_finite(state, train_cfg: run_config.TrainConfig, mngr) -> int:
+  """The number of skipped non-finite steps so far (one host sync); raises NonFiniteError when
+  the policy says the run must stop."""
+  count, first = (int(x) for x in jax.device_get((state["nonfinite"], state["nonfinite_step"])))
+  if count == 0:
+    return 0
+  if train_cfg.on_nonfinite == "stop" or count > train_cfg.max_nonfinite_skips:
+    last = mngr.latest_step()
+    where = (f"the last finite checkpoint is step {last} in {mngr.directory}"
+             if last is not None else "no checkpoint was saved")
+    reason = ("on_nonfinite='stop'" if train_cfg.on_nonfinite == "stop" else
+              f"{count} non-finite steps exceed max_nonfinite_skips="
+              f"{train_cfg.max_nonfinite_skips}")
+    raise NonFiniteError(f"non-finite loss or gradient norm at step {first} ({reason}); "
+                         f"stopped without saving it; {where}")
+  return count
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None = None,
+          stop_at: int | None = None) -> dict:
+  """Train (or resume) in `workdir`; returns the last logged metrics.
+
+  `stop_at` ends this invocation early at that step (with a checkpoint), as a preemption would;
+  the schedule still spans `num_train_steps`, so rerunning resumes the same run. `init_from`
+  starts a new run from a checkpoint directory's parameters; a LoRA run (lora.enabled) trains
+  adapters on that base. An SD·RL config (an `sdrl` section) runs the SD·RL stage.
+  """
+  # ---------------------------------------------------------------- configuration
+  config, task, start_step = prepare_config(config, workdir, init_from)
+  if start_step is not None and init_from:
+    print(f"resuming {workdir}: --init_from applies only to a new run")
+  setup = run_state.make_setup(config)
+  train_cfg = setup.train_cfg
+  stage = make_stage(config, task, setup)
+  report = task.data_report()
+  if report:
+    print(report)
+
+  # ---------------------------------------------------------------- state
+  os.makedirs(workdir, exist_ok=True)
+  mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints)
+  if start_step is not None:
+    state, frozen = run_state.restore_state(config, setup, mngr, start_step)
+    print(f"resumed from step {start_step} in {workdir}")
+  else:
+    start_step = 0
+    if init_from:
+      print(f"initialising from {init_from}")
+    state, frozen = run_state.new_state(config, setup, init_from)
+    checkpointing.save_config(workdir, config)
+  model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg
+  trained = sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))
+  if frozen is None:
+    print(f"model: {trained / 1e6:.3f}M parameters; {stage.name} steps {start_step}.."
+          f"{train_cfg.num_train_steps}")
+  else:
+    base = sum(x.size for x in jax.tree_util.tree_leaves(frozen))
+    print(f"model: {base / 1e6:.3f}M frozen parameters ({lora_cfg.base_dtype}), "
+          f"{trained / 1e6:.3f}M LoRA parameters (rank {lora_cfg.rank}); {stage.name} steps "
+          f"{start_step}..{train_cfg.num_train_steps}")
+
+  state_sh = jax.tree_util.tree_map(lambda x: x.sharding, state)
+  frozen_sh = None if frozen is None else jax.tree_util.tree_map(lambda x: x.sharding, frozen)
+  update_step = trainer.make_update_step(
+      setup, stage.loss_fn, state_sh, frozen_sh,
+      trainer.batch_shardings(setup, stage.batch_shapes()), stage.update_stream)
+  writer = ScalarWriter(os.path.join(workdir, "tensorboard"))
+  eval_cfg = config.eval
+  eval_prompts = task.eval_prompts() if eval_cfg.every_steps > 0 else None
+  eval_sampler_cfg = run_config.sampler_config(config, task.stop_token_ids)
+  generate_fn = sampler.make_generate_fn(model_cfg, eval_sampler_cfg)
+  stage.start(state, frozen, start_step)
+
+  def checkpoint(step):
+    _check_finite(state, train_cfg, mngr)  # nothing non-finite is ever saved
+    saved = state if not (frozen is not None and lora_cfg.save_base) else {**state, "base": frozen}
+    checkpointing.save(mngr, step, saved)
+
+  # ---------------------------------------------------------------- the loop
+  end_time = (time.time() + 60 * train_cfg.max_train_minutes
+              if train_cfg.max_train_minutes > 0 else None)
+  last, host_metrics = {}, {}
+  window_start, window_steps = time.perf_counter(), 0
+  bar = tqdm(total=train_cfg.num_train_steps, initial=start_step, desc=stage.name, unit="step",
+             dynamic_ncols=True)
+  step = start_step
+  try:
+    while step < train_cfg.num_train_steps:
+      batch, new_host_metrics = stage.next_batch(step, state, frozen)
+      host_metrics.update(new_host_metrics)
+      batch = sharding.global_batch(batch, setup.mesh, setup.rules)
+      state, metrics = update_step(state, frozen, batch)
+      step += 1
+      window_steps += 1
+      bar.update(1)
+      final = step == train_cfg.num_train_steps
+      if step % train_cfg.log_every == 0 or final:
+        metrics = jax.tree_util.tree_map(float, jax.device_get(metrics))
+        metrics["nonfinite_steps"] = float(_check_finite(state, train_cfg, mngr))
+        elapsed = time.perf_counter() - window_start
+        metrics["steps_per_second"] = window_steps / elapsed
+        if stage.tokens_per_batch():
+          metrics["tokens_per_second"] = window_steps * stage.tokens_per_batch() / elapsed
+        metrics.update(host_metrics)
+        window_start, window_steps = time.perf_counter(), 0
+        writer.write(step, metrics)
+        bar.set_postfix(stage.progress_fields(metrics))
+        last.update(metrics)
+      boundary = stage.is_boundary(step)
+      timed_out = boundary and end_time is not None and time.time() > end_time
+      stopping = timed_out or (boundary and stop_at is not None and step >= stop_at)
+      if eval_prompts is not None and (step % eval_cfg.every_steps == 0 or final or stopping):
+        last.update(evaluate_and_log(step, eval_params(state, frozen, lora_cfg), task, model_cfg,
+                                     eval_sampler_cfg, eval_prompts, eval_cfg.batch_size,
+                                     generate_fn, writer))
+        window_start, window_steps = time.perf_counter(), 0  # eval time is not throughput
+      if boundary and (step % train_cfg.checkpoint_every == 0 or final or stopping):
+        checkpoint(step)
+      if timed_out:
+        tqdm.write(f"stopping at step {step}: max_train_minutes={train_cfg.max_train_minutes} "
+                   "reached")
+      if stopping:
+        break
+  finally:
+    # ---------------------------------------------------------------- close
+    bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    writer.close()
+  return last
