@@ -68,12 +68,13 @@ def main(argv):
 
   overrides = {"record_trajectory": True} if _TRAJECTORY.value else {}
   if _WORKDIR.value:
-    run = runs.load_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
+    run = runs.open_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
   else:
     config = _CONFIG.value or cli.load_named_config("sft_sudoku")
-    run = runs.load_checkpoint_as_run(_INIT_FROM.value, config, eval_overrides=eval_overrides(),
-                                      **overrides)
-  prompts = run.task.load_eval_file(_DATA.value, _LIMIT.value)
+    run = runs.open_checkpoint(_INIT_FROM.value, config, eval_overrides=eval_overrides(),
+                               **overrides)
+  prompts = run.task.load_eval_file(_DATA.value, _LIMIT.value)  # checked before the weights
+  run.load()
   batch = _BATCH.value or run.config.eval.batch_size
   with tqdm(total=len(prompts), desc="eval", unit="example") as bar:
     metrics, predictions = evaluation.evaluate(

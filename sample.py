@@ -169,8 +169,9 @@ def sample_run():
 
   from diffgemma import runs, sampler
 
-  run = runs.load_run(_WORKDIR.value, record_trajectory=True)
-  prompts = run.task.prompt_from_text(text)  # validated before anything is sampled
+  run = runs.open_run(_WORKDIR.value, record_trajectory=True)
+  prompts = run.task.prompt_from_text(text)  # checked before the weights load
+  run.load()
   generate_fn = sampler.make_generate_fn(run.model_cfg, run.sampler_cfg)
   out = jax.device_get(generate_fn(run.params, prompts.prompt_NxP, prompts.valid_NxP,
                                    jax.random.PRNGKey(_SEED.value)))

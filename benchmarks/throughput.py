@@ -19,7 +19,8 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from diffgemma import cli, data, runs, sampler, sudoku, trainer  # noqa: E402
+from diffgemma import cli, run_config, run_state, runs, sampler, trainer  # noqa: E402
+from diffgemma.tasks import make_task  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Optional trained run to sample from.")
@@ -29,11 +30,12 @@ _BATCH = flags.DEFINE_integer("batch_size", None, "Override the batch size.")
 
 def time_training(config, steps: int) -> float:
   """Seconds per training step after one compile step."""
-  setup = trainer.make_setup(config)
-  state = trainer.init_state(config, setup)
-  step_fn = trainer.make_train_step(setup)
-  batches = data.train_batches(config.data, config.batch_size, steps + 1)
-  batch_list = [next(batches) for _ in range(steps + 1)]
+  setup = run_state.make_setup(config)
+  state = run_state.init_state(config, setup)
+  stage = trainer.SftStage(config, make_task(config), setup)
+  step_fn = trainer.make_update_step(setup, stage.loss_fn)
+  stage.start(state, None, 0)
+  batch_list = [stage.next_batch(i, state, None)[0] for i in range(steps + 1)]
   state, metrics = step_fn(state, None, batch_list[0])
   jax.block_until_ready(metrics)
   start = time.perf_counter()
@@ -43,13 +45,12 @@ def time_training(config, steps: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
-def time_sampling(params, model_cfg, sampler_cfg, puzzles, prompt_format):
+def time_sampling(params, model_cfg, sampler_cfg, prompts):
   generate_fn = sampler.make_generate_fn(model_cfg, sampler_cfg)
-  arrays = data.eval_arrays(puzzles, prompt_format)
   rng = jax.random.PRNGKey(0)
-  jax.block_until_ready(generate_fn(params, arrays["prompt"], arrays["valid"], rng))
+  jax.block_until_ready(generate_fn(params, prompts.prompt_NxP, prompts.valid_NxP, rng))
   start = time.perf_counter()
-  out = jax.device_get(generate_fn(params, arrays["prompt"], arrays["valid"],
+  out = jax.device_get(generate_fn(params, prompts.prompt_NxP, prompts.valid_NxP,
                                    jax.random.PRNGKey(1)))
   seconds = time.perf_counter() - start
   return float(np.sum(out["num_tokens"])) / seconds, float(np.mean(out["tokens_per_forward"]))
@@ -60,7 +61,8 @@ def main(argv):
   config = _CONFIG.value
   if _BATCH.value:
     config.batch_size = _BATCH.value
-  tokens_per_step = config.batch_size * (data.PROMPT_LEN + data.CANVAS_LEN)
+  task = make_task(config)
+  tokens_per_step = config.batch_size * task.layout.seq_len
   print(f"config: batch {config.batch_size}, {tokens_per_step} tokens/step, "
         f"moe_impl={config.model.moe_impl}")
 
@@ -77,15 +79,13 @@ def main(argv):
     run = runs.load_run(_WORKDIR.value)
     params, model_cfg, sampler_cfg = run.params, run.model_cfg, run.sampler_cfg
   else:
-    model_cfg, sampler_cfg = trainer.model_config(config), trainer.sampler_config(config)
-    params = trainer.init_state(config, trainer.make_setup(config))["params"]
-  puzzles, _ = sudoku.generate_puzzles(7, config.eval.batch_size, config.eval.min_givens,
-                                       config.eval.max_givens)
-  prompt_format = config.data.prompt_format
-  diffusion_tps, tpf = time_sampling(params, model_cfg, sampler_cfg, puzzles, prompt_format)
-  ar_tps, _ = time_sampling(params, model_cfg, sampler_cfg.replace(mode="ar"), puzzles,
-                            prompt_format)
-  print(f"sample diffusion: {diffusion_tps:,.0f} tokens/s (TPF {tpf:.2f}, batch {len(puzzles)})")
+    model_cfg = run_config.model_config(config)
+    sampler_cfg = run_config.sampler_config(config, task.stop_token_ids)
+    params = run_state.init_state(config, run_state.make_setup(config))["params"]
+  prompts = task.eval_prompts().take(slice(0, config.eval.batch_size))
+  diffusion_tps, tpf = time_sampling(params, model_cfg, sampler_cfg, prompts)
+  ar_tps, _ = time_sampling(params, model_cfg, sampler_cfg.replace(mode="ar"), prompts)
+  print(f"sample diffusion: {diffusion_tps:,.0f} tokens/s (TPF {tpf:.2f}, batch {len(prompts)})")
   print(f"sample AR       : {ar_tps:,.0f} tokens/s")
   print(f"sample ratio diffusion/AR: {diffusion_tps / ar_tps:.2f}x")
 

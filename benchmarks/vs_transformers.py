@@ -62,6 +62,7 @@ from absl import app, flags  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from diffgemma import diffusion, losses, model, sampler  # noqa: E402
+from diffgemma.tasks import Layout  # noqa: E402
 from tests import reference_sampling as rs  # noqa: E402
 
 # Model sizes (transformers' names).
@@ -320,7 +321,7 @@ def jax_draws(cfg, loss_cfg, batch, rng):
   """The canvas choice and corrupted canvas that `losses.sft_loss` draws from `rng`."""
   canvas_rng, t_rng, noise_rng = jax.random.split(rng, 3)
   b, seq_len = batch["tokens"].shape
-  c, p = cfg.canvas_length, loss_cfg.prompt_len
+  c, p = cfg.canvas_length, _PROMPT_LEN.value
   k = (seq_len - p) // c
   has_target_BxK = batch["loss_mask"][:, p:].reshape(b, k, c).any(-1)
   k_B = jax.random.categorical(canvas_rng, jnp.where(has_target_BxK, 0.0, -jnp.inf))
@@ -338,7 +339,7 @@ def torch_draws(cfg, loss_cfg, tokens, loss_mask, gen):
   """The same draws with torch's RNG: a canvas with targets per example, t ~ U(eps, 1), each
   target token kept with probability 1 - t (linear schedule), else uniform noise."""
   b, seq_len = tokens.shape
-  c, p = cfg.canvas_length, loss_cfg.prompt_len
+  c, p = cfg.canvas_length, _PROMPT_LEN.value
   has_target_BxK = loss_mask[:, p:].reshape(b, -1, c).any(-1)
   k_B = torch.multinomial(has_target_BxK.float(), 1, generator=gen)[:, 0]
   index_BxC = (p + k_B * c)[:, None] + torch.arange(c)
@@ -366,7 +367,7 @@ def masked_mean(x, mask):
 def reference_sft_loss(ref, cfg, loss_cfg, tokens, valid, loss_mask, k_B, noisy_BxC):
   """`losses.sft_loss` written with the reference's encoder, decoder and LM head."""
   b, seq_len = tokens.shape
-  c, p = cfg.canvas_length, loss_cfg.prompt_len
+  c, p = cfg.canvas_length, _PROMPT_LEN.value
   softcap = ref.config.get_text_config().final_logit_softcapping
   lm_logits = lambda h: softcap * torch.tanh(ref.lm_head(h).float() / softcap)
   ce = lambda logits, targets: torch.nn.functional.cross_entropy(
@@ -375,7 +376,9 @@ def reference_sft_loss(ref, cfg, loss_cfg, tokens, valid, loss_mask, k_B, noisy_
   # One causal encoder pass over the clean sequence fills the cache the decoder reads.
   cache = DynamicCache(config=ref.config.get_text_config(decoder=True))
   hidden = ref.model.encoder(input_ids=tokens, attention_mask=valid, cache=cache).last_hidden_state
-  targets_mask = valid[:, 1:] & (loss_mask[:, 1:] | loss_cfg.encoder_loss_on_prompt)
+  scope = loss_mask | ((torch.arange(seq_len)[None] < p)
+                       & (loss_cfg.encoder_scope == "prompt_and_target"))
+  targets_mask = valid[:, 1:] & scope[:, 1:]
   encoder_loss = masked_mean(ce(lm_logits(hidden[:, :-1]), tokens[:, 1:]), targets_mask)
 
   # The decoder sees the clean prefix before its canvas; positions continue after it.
@@ -405,7 +408,8 @@ def reference_sft_loss(ref, cfg, loss_cfg, tokens, valid, loss_mask, k_B, noisy_
 def bench_training(ref, params, cfg):
   """(ours s, theirs s, |loss diff|, max relative embedding-gradient diff, useful FLOPs of a
   step)."""
-  loss_cfg = losses.LossConfig(prompt_len=_PROMPT_LEN.value)
+  loss_cfg = losses.LossConfig()
+  layout = Layout(_PROMPT_LEN.value, _TRAIN_CANVASES.value, cfg.canvas_length)
   if loss_cfg.noise_schedule != "linear" or loss_cfg.decoder_weighting != "flat":
     raise ValueError("the reference objective here implements the linear schedule, flat CE")
   batch = training_batch(cfg, _TRAIN_BATCH.value, _PROMPT_LEN.value, _TRAIN_CANVASES.value,
@@ -415,7 +419,7 @@ def bench_training(ref, params, cfg):
     # prefix before each canvas, so the objectives agree only within one window.
     raise ValueError("train sequence longer than the sliding window")
   loss_and_grad = jax.jit(jax.value_and_grad(losses.sft_loss, has_aux=True),
-                          static_argnums=(1, 2))
+                          static_argnums=(1, 2, 3))
   t_batch = {k: torch.as_tensor(v, dtype=torch.long if k == "tokens" else torch.bool)
              for k, v in batch.items()}
 
@@ -428,7 +432,7 @@ def bench_training(ref, params, cfg):
 
   # Faithfulness: identical draws give the same loss and gradients.
   rng = jax.random.PRNGKey(0)
-  (ours_loss, _), grads = loss_and_grad(params, cfg, loss_cfg, batch, rng)
+  (ours_loss, _), grads = loss_and_grad(params, cfg, loss_cfg, layout, batch, rng)
   ref.train()
   theirs_loss = theirs_step(jax_draws(cfg, loss_cfg, batch, rng))
   flops = reference_flops(lambda: theirs_step(jax_draws(cfg, loss_cfg, batch, rng)))
@@ -440,7 +444,7 @@ def bench_training(ref, params, cfg):
   keys = jax.random.split(jax.random.PRNGKey(1), _TRAIN_REPEATS.value)
   gen = torch.Generator().manual_seed(1)
   measured = timings({
-      "ours": lambda i: jax.block_until_ready(loss_and_grad(params, cfg, loss_cfg, batch,
+      "ours": lambda i: jax.block_until_ready(loss_and_grad(params, cfg, loss_cfg, layout, batch,
                                                             keys[i])),
       "theirs": lambda _: theirs_step(torch_draws(cfg, loss_cfg, t_batch["tokens"],
                                                   t_batch["loss_mask"], gen))},

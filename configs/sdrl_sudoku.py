@@ -1,4 +1,4 @@
-"""SD·RL on Sudoku after SFT: the 2-core CPU default (DESIGN.md §5, diffgemma/sdrl.py).
+"""SD·RL on Sudoku after SFT: the 2-core CPU default (docs/design.md, "SD·RL"; diffgemma/sdrl.py).
 
 python train.py --config=sdrl_sudoku --workdir=runs/sdrl --init_from=runs/sudoku_b16
 
@@ -50,7 +50,7 @@ def get_config():
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,
       "reward": {
-          "name": "sudoku",  # "sudoku" (verifier) | "exact_match" (against the solution)
+          "name": "sudoku",  # the task's verifier (Sudoku: valid, complete, keeps the givens)
           "partial_credit": "none",  # "none" | "cells" | "constraints"
           "partial_weight": 0.5,
           "step_penalty": 0.0,  # x steps per canvas / max denoising steps

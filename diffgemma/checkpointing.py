@@ -72,7 +72,10 @@ def abstract(tree):
 
 def saved_keys(mngr, step: int) -> set[str]:
   """Top-level keys of the state saved at `step` (read from its metadata, no arrays)."""
-  return set(mngr.item_metadata(step).keys())
+  from etils import epath  # orbax's path type
+
+  path = epath.Path(os.path.join(str(mngr.directory), str(step), "default"))
+  return set(ocp.PyTreeCheckpointHandler().metadata(path).keys())
 
 
 def restore_subtree(workdir: str, step: int, target):

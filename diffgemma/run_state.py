@@ -152,9 +152,9 @@ def init_state(config, setup: Setup, params=None, frozen=None):
     params = lora.init(frozen, setup.lora_cfg, init_rng)
   elif params is None:
     params = model.init_params(setup.model_cfg, init_rng)
-  zero = jnp.zeros((), jnp.int32)
-  return {"step": zero, "params": params, "opt_state": setup.tx.init(params), "rng": train_rng,
-          "nonfinite": zero, "nonfinite_step": zero}
+  zero = lambda: jnp.zeros((), jnp.int32)  # separate buffers: each may be donated
+  return {"step": zero(), "params": params, "opt_state": setup.tx.init(params),
+          "rng": train_rng, "nonfinite": zero(), "nonfinite_step": zero()}
 
 
 def state_shardings(setup: Setup, abstract):

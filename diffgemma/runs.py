@@ -1,5 +1,9 @@
 """A trained model with its task, for evaluation and sampling: parameters only, never the
-optimizer state."""
+optimizer state.
+
+`open_run` / `open_checkpoint` read configs only and build the task, so a tool can check its
+input (a puzzle, a data file) before `Run.load` reads the weights.
+"""
 
 from __future__ import annotations
 
@@ -15,35 +19,52 @@ from diffgemma.tasks.base import Task
 
 @dataclasses.dataclass
 class Run:
+  """config, task and sampler of a model; `load` fills model_cfg, params and step."""
+
   config: ml_collections.ConfigDict
-  model_cfg: ModelConfig
-  sampler_cfg: sampler.SamplerConfig
-  params: dict
-  step: int
   task: Task
+  sampler_cfg: sampler.SamplerConfig
+  source: str  # the workdir or checkpoint directory
+  is_workdir: bool
+  model_cfg: ModelConfig | None = None
+  params: dict | None = None
+  step: int | None = None
+
+  def load(self) -> Run:
+    """Read the parameters (a workdir's latest checkpoint; a LoRA run's adapters merged into
+    its base), once."""
+    if self.params is None:
+      if self.is_workdir:
+        self.model_cfg, self.params, self.step = checkpoint_io.load_workdir(self.source)
+      else:
+        self.params = run_state.load_initial_params(self.config, self.source)
+        self.model_cfg, self.step = run_config.model_config(self.config), 0
+    return self
 
 
-def load_run(workdir: str, eval_overrides: dict | None = None, **sampler_overrides) -> Run:
-  """Config, task and latest parameters of a workdir (CheckpointError if there is none); a
-  LoRA run's adapters come merged into its base. `eval_overrides` set config.eval keys (e.g.
-  a chat task's metric) before the task is built."""
+def open_run(workdir: str, eval_overrides: dict | None = None, **sampler_overrides) -> Run:
+  """A training run's config and task (CheckpointError if `workdir` holds no run).
+  `eval_overrides` set config.eval keys (e.g. a chat task's metric) before the task is built."""
   config = _with_eval_overrides(checkpointing.load_config(workdir), eval_overrides)
-  task = _task(config, workdir)  # a bad task config fails before the weights load
-  model_cfg, params, step = checkpoint_io.load_workdir(workdir)
-  return Run(config, model_cfg, _sampler(config, task, sampler_overrides), params, step, task)
+  task = _task(config, workdir)
+  return Run(config, task, _sampler(config, task, sampler_overrides), workdir, True)
 
 
-def load_checkpoint_as_run(init_from: str, config, eval_overrides: dict | None = None,
-                           **sampler_overrides) -> Run:
-  """A model checkpoint directory (transformers, orbax or workdir) evaluated under `config`'s
-  task and sampler settings; the architecture comes from the checkpoint (step 0)."""
+def open_checkpoint(init_from: str, config, eval_overrides: dict | None = None,
+                    **sampler_overrides) -> Run:
+  """A model checkpoint directory (transformers, orbax or workdir) under `config`'s task and
+  sampler settings; the architecture comes from the checkpoint's config (step 0)."""
   config = _with_eval_overrides(ml_collections.ConfigDict(config.to_dict()), eval_overrides)
   with config.unlocked():
     config.init_from = init_from  # a chat task's default tokenizer
-  params = run_state.load_initial_params(config, init_from)
+  run_state.adopt_checkpoint_architecture(config, init_from)
   task = _task(config, init_from)
-  return Run(config, run_config.model_config(config), _sampler(config, task, sampler_overrides),
-             params, 0, task)
+  return Run(config, task, _sampler(config, task, sampler_overrides), init_from, False)
+
+
+def load_run(workdir: str, eval_overrides: dict | None = None, **sampler_overrides) -> Run:
+  """`open_run`, then its latest parameters."""
+  return open_run(workdir, eval_overrides, **sampler_overrides).load()
 
 
 def _with_eval_overrides(config, overrides):

@@ -1,4 +1,5 @@
-"""Block-diffusion sampling (DESIGN.md §4) and autoregressive decoding on the same weights.
+"""Block-diffusion sampling (docs/design.md, "The sampler"), and autoregressive decoding on the
+same weights.
 
 Semantics follow transformers' `generation_diffusion_gemma.py` (the reference):
   * `temperature`            <-> LinearTemperatureScheduleLogitsProcessor

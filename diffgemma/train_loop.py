@@ -51,10 +51,11 @@ def make_stage(config, task: Task, setup: run_state.Setup):
 
 
 def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
-                   init_from: str | None):
+                   init_from: str | None, planning: bool = False):
   """(config, task, resuming step or None): the run's config after adopting the saved run's or
   the checkpoint's architecture, fully validated (a bad value is a one-line ConfigError; bad
-  task data a one-line InputError). Reads configs and task data only; writes nothing."""
+  task data a one-line InputError). Reads configs and task data only; writes nothing.
+  `planning` (--dry_run): an SD·RL config needs no --init_from."""
   config = ml_collections.ConfigDict(config.to_dict())
   step = checkpointing.latest_step(workdir) if workdir else None
   if step is not None:
@@ -68,7 +69,7 @@ def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
     with config.unlocked():
       config.init_from = os.path.abspath(init_from)
     run_state.adopt_checkpoint_architecture(config, init_from)
-  elif is_sdrl(config):
+  elif is_sdrl(config) and not planning:
     raise checkpointing.CheckpointError(
         "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")
   try:

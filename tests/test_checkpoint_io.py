@@ -252,13 +252,13 @@ def test_failed_or_refused_writes_leave_nothing(saved_reference, tmp_path, monke
 
 
 def test_convert_cli_and_init_from_a_converted_run(tmp_path):
-  from diffgemma import checkpointing, runs, trainer
+  from diffgemma import checkpointing, run_state, runs, train_loop
   from tests.test_cli import one_line_error, run
   from tests.test_training import tiny_sudoku_config
 
   config = tiny_sudoku_config(workdir_steps=2)
   source_run = str(tmp_path / "run")
-  trainer.train(config, source_run)
+  train_loop.train(config, source_run)
   exported = str(tmp_path / "exported")
   r = run("scripts/convert_checkpoint.py", f"--from={source_run}", f"--to={exported}")
   assert r.returncode == 0 and "transformers' DiffusionGemma layout" in r.stdout, r.stderr
@@ -272,7 +272,7 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
                      f"--to={tmp_path / 'x'}"), "not found")
   # eval.py evaluates a converted checkpoint under a task config (architecture from the
   # checkpoint); a config whose prompt vocabulary does not fit the model is refused.
-  from diffgemma import sudoku
+  from diffgemma.tasks import sudoku_puzzles as sudoku
 
   csv = str(tmp_path / "puzzles.csv")
   sudoku.write_csv(csv, *sudoku.generate_puzzles(7, 4, 40, 44))
@@ -281,7 +281,7 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
           "--trajectory_stats")
   assert r.returncode == 0, r.stderr
   metrics = json.loads(r.stdout.strip().splitlines()[-1])
-  assert metrics["num_puzzles"] == 4
+  assert metrics["num_puzzles"] == metrics["num_examples"] == 4
   assert 1 <= metrics["settle_steps_per_canvas"] <= metrics["steps_per_canvas"]
   profile = metrics["step_profile"]
   assert profile["rows"][0] == 4 and len(profile["rows"]) <= 4
@@ -294,15 +294,15 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
   # from its exact parameters, records where it came from, and resumes under it.
   wider = tiny_sudoku_config(workdir_steps=2)
   wider.model.hidden_size = 24
-  init_params = trainer.load_initial_params(wider, exported)
+  init_params = run_state.load_initial_params(wider, exported)
   assert wider.model.hidden_size == 16
   source = runs.load_run(source_run)
   assert _leaves_equal(init_params, source.params)
   wider = tiny_sudoku_config(workdir_steps=2)
   wider.model.hidden_size = 24
   finetune = str(tmp_path / "finetune")
-  trainer.train(wider, finetune, stop_at=1, init_from=exported)
+  train_loop.train(wider, finetune, stop_at=1, init_from=exported)
   saved = checkpointing.load_config(finetune)
   assert saved.model.hidden_size == 16 and saved.init_from == os.path.abspath(exported)
-  last = trainer.train(wider, finetune, init_from=exported)
+  last = train_loop.train(wider, finetune, init_from=exported)
   assert np.isfinite(last["loss"]) and checkpointing.latest_step(finetune) == 2

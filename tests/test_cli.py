@@ -40,8 +40,19 @@ def test_inconsistent_config_value(tmp_path):
   one_line_error(r, "vocab_size")
 
 
+def new_run_dir(tmp_path):
+  """A workdir with a Sudoku run's config and no checkpoint yet: the task is known, so input is
+  checked before anything asks for weights."""
+  from configs import sft_sudoku
+  from diffgemma import checkpointing
+
+  checkpointing.save_config(str(tmp_path), sft_sudoku.get_config())
+  return tmp_path
+
+
 def test_short_puzzle(tmp_path):
-  one_line_error(run("sample.py", f"--workdir={tmp_path}", "--puzzle=" + "1" * 80), "80 characters")
+  one_line_error(run("sample.py", f"--workdir={new_run_dir(tmp_path)}", "--puzzle=" + "1" * 80),
+                 "80 characters")
 
 
 def test_missing_checkpoint(tmp_path):
@@ -57,4 +68,4 @@ def test_malformed_csv_row(tmp_path):
   csv = tmp_path / "bad.csv"
   good = "".join(map(str, puzzles[0])) + "," + "".join(map(str, solutions[0]))
   csv.write_text("quizzes,solutions\n" + good + "\n" + good[:-1] + "\n")
-  one_line_error(run("eval.py", f"--workdir={tmp_path}", f"--data={csv}"), "line 3")
+  one_line_error(run("eval.py", f"--workdir={new_run_dir(tmp_path)}", f"--data={csv}"), "line 3")

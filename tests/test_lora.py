@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import checkpointing, lora, model, sharding, trainer
+from diffgemma import checkpoint_io, checkpointing, lora, model, run_state, sharding, train_loop
 from diffgemma.config import tiny
 from tests.test_cli import run
 from tests.test_training import tiny_sudoku_config
@@ -113,7 +113,7 @@ def test_default_targets_cover_every_linear_with_rank_r_factors():
 def base_run(tmp_path_factory):
   """A tiny Sudoku SFT run to fine-tune from."""
   path = str(tmp_path_factory.mktemp("lora") / "base")
-  trainer.train(tiny_sudoku_config(workdir_steps=2), path)
+  train_loop.train(tiny_sudoku_config(workdir_steps=2), path)
   return path
 
 
@@ -132,12 +132,12 @@ def test_lora_training_changes_exactly_the_targeted_leaves_and_resumes_exactly(b
   targets = (r"attn\.q$", r"experts\.down$", r"self_conditioning\.up$")
   config = _lora_config(4, targets=targets, rank=3)
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  trainer.train(config, straight, init_from=base_run)
-  trainer.train(config, resumed, init_from=base_run, stop_at=2)
-  trainer.train(config, resumed)  # resumes: base re-read from the run's init_from
+  train_loop.train(config, straight, init_from=base_run)
+  train_loop.train(config, resumed, init_from=base_run, stop_at=2)
+  train_loop.train(config, resumed)  # resumes: base re-read from the run's init_from
 
-  _, setup, a, frozen, step_a = trainer.restore_run(straight)
-  *_, b, _, step_b = trainer.restore_run(resumed)
+  _, setup, a, frozen, step_a = run_state.restore_run(straight)
+  *_, b, _, step_b = run_state.restore_run(resumed)
   assert step_a == step_b == 4
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
 
@@ -146,7 +146,7 @@ def test_lora_training_changes_exactly_the_targeted_leaves_and_resumes_exactly(b
       n.endswith(s) for s in ("attn.q", "experts.down", "self_conditioning.up"))}
   assert all(f["a"].shape[-1] == 3 and f["b"].shape[-f["b"].ndim + (f["b"].ndim - 2 if
              "experts" in n else 0)] == 3 for n, f in a["params"].items())
-  _, base_params, _ = trainer.restore_params(base_run)[1:]
+  _, base_params, _ = checkpoint_io.load_workdir(base_run)
   merged = lora.merge(frozen, a["params"], setup.lora_cfg)
   changed = {lora.dotted(p) for p, x in jax.tree_util.tree_flatten_with_path(merged)[0]
              if not np.array_equal(x, _leaf(base_params, p))}
@@ -163,8 +163,8 @@ def test_lora_run_loads_merged_for_export(base_run, tmp_path):
   config = _lora_config(1)
   config.lora.save_base = True  # the base travels in the checkpoint: no need for init_from
   workdir = str(tmp_path / "run")
-  trainer.train(config, workdir, init_from=base_run)
-  from diffgemma import checkpoint_io, runs
+  train_loop.train(config, workdir, init_from=base_run)
+  from diffgemma import runs
 
   saved = checkpointing.load_config(workdir)
   with saved.unlocked():
@@ -172,7 +172,7 @@ def test_lora_run_loads_merged_for_export(base_run, tmp_path):
   checkpointing.save_config(workdir, saved)
 
   run = runs.load_run(workdir)
-  _, setup, state, frozen, _ = trainer.restore_run(workdir)
+  _, setup, state, frozen, _ = run_state.restore_run(workdir)
   np.testing.assert_array_equal(run.params["layers"][0]["attn"]["q"],
                                 lora.merge(frozen, state["params"], setup.lora_cfg)
                                 ["layers"][0]["attn"]["q"])
@@ -185,26 +185,28 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
-from diffgemma import data, sharding, trainer
+from diffgemma import run_state, sharding, trainer
+from diffgemma.tasks import make_task
 from tests.test_training import tiny_sudoku_config
 
 def losses(fsdp, tensor, lora_base=None):
   config = tiny_sudoku_config(workdir_steps=5)
   config.model.update(dict(num_heads=4, num_kv_heads=2, intermediate_size=32))
   config.sharding.update(dict(fsdp=fsdp, tensor=tensor))
-  setup = trainer.make_setup(config)
+  setup = run_state.make_setup(config)
   assert setup.mesh.size == fsdp * tensor
-  state = trainer.init_state(config, setup)
-  target = trainer.abstract_state(config, setup)
+  state = run_state.init_state(config, setup)
+  target = run_state.abstract_state(config, setup)
   state = jax.device_put(state, jax.tree_util.tree_map(lambda x: x.sharding, target))
-  seq_len = data.PROMPT_LEN + data.CANVAS_LEN
-  step = trainer.make_train_step(setup, jax.tree_util.tree_map(lambda x: x.sharding, target),
-                                 None, trainer.batch_shardings(setup, 4, seq_len))
-  batches = data.train_batches(config.data, 4, 5)
+  stage = trainer.SftStage(config, make_task(config), setup)
+  step = trainer.make_update_step(setup, stage.loss_fn,
+                                  jax.tree_util.tree_map(lambda x: x.sharding, target), None,
+                                  trainer.batch_shardings(setup, stage.batch_shapes()))
+  stage.start(state, None, 0)
   out = []
   for _ in range(5):
-    state, metrics = step(state, None, sharding.global_batch(next(batches), setup.mesh,
-                                                             setup.rules))
+    batch, _ = stage.next_batch(0, state, None)
+    state, metrics = step(state, None, sharding.global_batch(batch, setup.mesh, setup.rules))
     out.append(float(metrics["loss"]))
   emb = state["params"]["embedding"]
   return np.array(out), emb

@@ -9,16 +9,19 @@ import pytest
 from configs import sdrl_sudoku, sft_sudoku
 from diffgemma import (
   checkpointing,
-  data,
   diffusion,
   losses,
   model,
   rewards,
+  run_config,
+  run_state,
   sampler,
   sdrl,
-  sudoku,
-  trainer,
+  train_loop,
 )
+from diffgemma.tasks import make_task
+from diffgemma.tasks import sudoku as data
+from diffgemma.tasks import sudoku_puzzles as sudoku
 
 
 def tiny_configs():
@@ -35,6 +38,7 @@ def tiny_configs():
   config = sdrl_sudoku.get_config()
   config.update({key: sft[key] for key in ("model", "data", "eval")})
   config.update({"num_train_steps": 4, "checkpoint_every": 2, "log_every": 1})
+  config.optimizer.warmup_steps = 1
   config.sdrl.update({"group_size": 2, "prompts_per_rollout": 2, "updates_per_rollout": 2,
                       "states_per_trajectory": 2, "anchor": "none"})
   config.sdrl.reward.partial_credit = "cells"
@@ -51,16 +55,16 @@ def save_sft_run(sft, workdir):
   rounding differences between two compiled programs grow into flipped expert choices and
   argmaxes within a few steps), so the replay checks need a tame one, as a trained model is.
   """
-  setup = trainer.make_setup(sft)
+  setup = run_state.make_setup(sft)
   params = model.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
   checkpointing.save_config(workdir, sft)
   with checkpointing.manager(workdir) as mngr:
-    checkpointing.save(mngr, 0, trainer.init_state(sft, setup, params))
+    checkpointing.save(mngr, 0, run_state.init_state(sft, setup, params))
   return params
 
 
 # The loop test's model (two layers: one sliding, one full) for every test: one set of programs.
-CFG = trainer.model_config(tiny_configs()[1])
+CFG = run_config.model_config(tiny_configs()[1])
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -100,7 +104,7 @@ def corrupted_state_logits(params, prompt_UxP, target_UxC, rng):
   key), then every other row self-conditioned on a first pass (prob 0.5), the rest not."""
   u, p = prompt_UxP.shape
   t_rng, noise_rng = jax.random.split(jax.random.split(rng)[0])
-  t_U = diffusion.sample_noise_level(t_rng, u, losses.LossConfig(prompt_len=p).t_eps)
+  t_U = diffusion.sample_noise_level(t_rng, u, losses.LossConfig().t_eps)
   noisy_UxC = diffusion.corrupt(noise_rng, target_UxC, t_U, CFG.vocab_size, "linear")
   cache = model.init_cache(CFG, u, p + CFG.canvas_length)
   _, cache = model.encode(params, CFG, prompt_UxP, cache)
@@ -109,7 +113,7 @@ def corrupted_state_logits(params, prompt_UxP, target_UxC, rng):
                                  jnp.arange(u) % 2 == 0)
 
 
-loss_fn = jax.jit(sdrl.sdrl_loss, static_argnums=(1, 2, 3))
+loss_fn = jax.jit(sdrl.sdrl_loss, static_argnums=(1, 2, 3, 8))
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -157,49 +161,63 @@ def state_batch(mode, num_states=2):
   """Two rollout rows (one group), one canvas, `num_states` states each; the last is invalid."""
   rng = np.random.default_rng(0)
   b, p, c, d = 2, 3, CFG.canvas_length, CFG.hidden_size
-  u = b * num_states
-  valid = np.ones(u, bool)
-  valid[-1] = False
+  s = num_states
+  valid = np.ones((b, s), bool)
+  valid[-1, -1] = False
   batch = {
       "prompt_BxP": jnp.asarray(rng.integers(3, CFG.vocab_size, (b, p)), jnp.int32),
       "prompt_valid_BxP": jnp.ones((b, p), bool),
       "context_BxT": jnp.zeros((b, 0), jnp.int32),
       "weight_B": jnp.asarray([1.5, -0.5], jnp.float32),
-      "row_U": jnp.tile(jnp.arange(b, dtype=jnp.int32), num_states),
-      "prefix_len_U": jnp.full((u,), p, jnp.int32),
-      "target_UxC": jnp.asarray(rng.integers(0, CFG.vocab_size, (u, c)), jnp.int32),
-      "valid_U": jnp.asarray(valid)}
+      "prefix_len_BxS": jnp.full((b, s), p, jnp.int32),
+      "target_BxSxC": jnp.asarray(rng.integers(0, CFG.vocab_size, (b, s, c)), jnp.int32),
+      "valid_BxS": jnp.asarray(valid),
+      "norm_B": jnp.full((b,), valid.sum(), jnp.float32)}
   if mode != "rl":
-    batch["canvas_UxC"] = jnp.asarray(rng.integers(0, CFG.vocab_size, (u, c)), jnp.int32)
-    batch["self_cond_UxCxD"] = jnp.asarray(rng.normal(0, 1, (u, c, d)), jnp.float32)
+    batch["canvas_BxSxC"] = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, s, c)), jnp.int32)
+    batch["self_cond_BxSxCxD"] = jnp.asarray(rng.normal(0, 1, (b, s, c, d)), jnp.float32)
   return batch
 
 
+def flat(x):
+  """[B, S, ...] -> [B * S, ...]: state rows in the loss's order."""
+  x = np.asarray(x)
+  return x.reshape((-1,) + x.shape[2:])
+
+
+def state_prompts(batch):
+  """Each state row's prompt, [B * S, P]."""
+  return jnp.repeat(batch["prompt_BxP"], batch["valid_BxS"].shape[1], axis=0)
+
+
 def expected_policy_loss(logits_UxCxV, batch):
-  """sum_u A[row_u] * mean_c (cell weight x CE_u,c) / #valid, in float64 numpy."""
+  """sum_u A[row_u] * mean_c (token weight x CE_u,c) / #valid, in float64 numpy."""
   logp = log_softmax64(logits_UxCxV)
-  target = np.asarray(batch["target_UxC"])
+  target = flat(batch["target_BxSxC"])
   ce_UxC = -np.take_along_axis(logp, target[..., None], -1)[..., 0]
-  ce_U = (ce_UxC * np.asarray(batch.get("cell_weight_UxC", 1.0), np.float64)).mean(-1)
-  valid = np.asarray(batch["valid_U"])
-  weight = np.asarray(batch["weight_B"], np.float64)[np.asarray(batch["row_U"])] * valid
+  weights = flat(batch["token_weight_BxSxC"]) if "token_weight_BxSxC" in batch else 1.0
+  ce_U = (ce_UxC * np.asarray(weights, np.float64)).mean(-1)
+  valid = flat(batch["valid_BxS"])
+  s = batch["valid_BxS"].shape[1]
+  weight = np.repeat(np.asarray(batch["weight_B"], np.float64), s) * valid
   return (weight * ce_U).sum() / valid.sum(), ce_U
 
 
 def test_trajectory_loss_matches_hand_computation(params):
   """Advantage-weighted CE toward the final canvas, plus the KL anchor to a reference model."""
   batch = state_batch("both")
-  loss_cfg = losses.LossConfig(prompt_len=3)
+  loss_cfg = losses.LossConfig()
   cfg = sdrl.SdrlConfig(mode="both", group_size=2, prompts_per_rollout=1,
                         states_per_trajectory=2, anchor="kl", anchor_weight=0.5)
   reference = jax.tree_util.tree_map(lambda x: x * 3.0, params)
   total, metrics = loss_fn(params, CFG, cfg, loss_cfg, batch, jax.random.PRNGKey(0), reference)
-  prompt_UxP = batch["prompt_BxP"][batch["row_U"]]
-  logits = state_logits(params, prompt_UxP, batch["canvas_UxC"], batch["self_cond_UxCxD"])
+  prompt_UxP = state_prompts(batch)
+  canvas_UxC, self_cond_UxCxD = flat(batch["canvas_BxSxC"]), flat(batch["self_cond_BxSxCxD"])
+  logits = state_logits(params, prompt_UxP, canvas_UxC, self_cond_UxCxD)
   expected, ce_U = expected_policy_loss(logits, batch)
   np.testing.assert_allclose(metrics["policy_loss"], expected, rtol=1e-5)
   np.testing.assert_allclose(metrics["state_ce"], ce_U[:3].mean(), rtol=1e-5)  # valid states
-  ref_logits = state_logits(reference, prompt_UxP, batch["canvas_UxC"], batch["self_cond_UxCxD"])
+  ref_logits = state_logits(reference, prompt_UxP, canvas_UxC, self_cond_UxCxD)
   ref_logp, logp = log_softmax64(ref_logits)[:3], log_softmax64(logits)[:3]
   kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(-1).mean(-1).mean()
   assert kl > 1e-3
@@ -210,18 +228,17 @@ def test_trajectory_loss_matches_hand_computation(params):
 
 
 def test_cell_weights_scale_each_target_cell(params):
-  """With cell_weight_UxC, a cell's CE counts times its weight (0: not distilled) and the mean
-  stays over the whole canvas."""
+  """With token_weight_BxSxC, a token's CE counts times its weight (0: not distilled) and the
+  mean stays over the whole canvas."""
   batch = state_batch("both")
-  weights = np.random.default_rng(1).integers(0, 2, batch["target_UxC"].shape)
-  weights[0] = 0  # a state with no consistent cell adds nothing
-  batch["cell_weight_UxC"] = jnp.asarray(weights, jnp.float32)
+  weights = np.random.default_rng(1).integers(0, 2, batch["target_BxSxC"].shape)
+  weights[0, 0] = 0  # a state with no consistent cell adds nothing
+  batch["token_weight_BxSxC"] = jnp.asarray(weights, jnp.float32)
   cfg = sdrl.SdrlConfig(mode="both", group_size=2, prompts_per_rollout=1,
                         states_per_trajectory=2, cell_weighting="consistent")
-  _, metrics = loss_fn(params, CFG, cfg, losses.LossConfig(prompt_len=3), batch,
-                       jax.random.PRNGKey(0))
-  logits = state_logits(params, batch["prompt_BxP"][batch["row_U"]], batch["canvas_UxC"],
-                        batch["self_cond_UxCxD"])
+  _, metrics = loss_fn(params, CFG, cfg, losses.LossConfig(), batch, jax.random.PRNGKey(0))
+  logits = state_logits(params, state_prompts(batch), flat(batch["canvas_BxSxC"]),
+                        flat(batch["self_cond_BxSxCxD"]))
   expected, ce_U = expected_policy_loss(logits, batch)
   assert ce_U[0] == 0 and ce_U[1] > 0
   np.testing.assert_allclose(metrics["policy_loss"], expected, rtol=1e-5)
@@ -230,13 +247,13 @@ def test_cell_weights_scale_each_target_cell(params):
 def test_rl_loss_matches_hand_computation(params):
   """"rl": corruptions of the final canvas (the loss's own draws), SFT self-conditioning."""
   batch = state_batch("rl")
-  loss_cfg = losses.LossConfig(prompt_len=3, self_conditioning_prob=0.5)
+  loss_cfg = losses.LossConfig(self_conditioning_prob=0.5)
   cfg = sdrl.SdrlConfig(mode="rl", group_size=2, prompts_per_rollout=1, states_per_trajectory=2)
   rng = jax.random.PRNGKey(4)
   total, _ = loss_fn(params, CFG, cfg, loss_cfg, batch, rng)
-  noisy, logits = corrupted_state_logits(params, batch["prompt_BxP"][batch["row_U"]],
-                                         batch["target_UxC"], rng)
-  assert not np.array_equal(noisy, batch["target_UxC"])
+  target_UxC = jnp.asarray(flat(batch["target_BxSxC"]))
+  noisy, logits = corrupted_state_logits(params, state_prompts(batch), target_UxC, rng)
+  assert not np.array_equal(noisy, target_UxC)
   expected, _ = expected_policy_loss(logits, batch)
   np.testing.assert_allclose(total, expected, rtol=1e-5)
 
@@ -254,10 +271,13 @@ def test_replay_reproduces_the_recorded_trajectory(tmp_path):
   """
   sft, config = tiny_configs()
   save_sft_run(sft, str(tmp_path / "sft"))
-  params = trainer.load_initial_params(config, str(tmp_path / "sft"))  # placed as the loop's
-  model_cfg, scfg = trainer.model_config(config), sdrl.rollout_sampler_config(config)
+  setup = run_state.make_setup(config)
+  params = run_state.load_initial_params(config, str(tmp_path / "sft"), setup.mesh,
+                                         setup.rules)  # placed as the loop's
+  model_cfg, scfg = run_config.model_config(config), sdrl.rollout_sampler_config(config)
   cfg = sdrl.sdrl_config(config)
-  prompt, valid, _ = sdrl.rollout_prompts(cfg, 0, config.data.prompt_format)
+  prompts = make_task(config).rollout_prompts(0, cfg.prompts_per_rollout).repeat(cfg.group_size)
+  prompt, valid = prompts.prompt_NxP, prompts.valid_NxP
   b, p, c = prompt.shape[0], prompt.shape[1], model_cfg.canvas_length
   # Keys replicated over the params' mesh, as the loop's (the same compiled programs).
   on_mesh = jax.sharding.NamedSharding(params["embedding"].sharding.mesh,
@@ -283,24 +303,27 @@ def test_replay_reproduces_the_recorded_trajectory(tmp_path):
     np.testing.assert_array_equal(np.asarray(got["canvas"])[:-1][fed_next],
                                   np.asarray(traj["canvas"][k])[1:][fed_next])
 
-  batch = sdrl.prepare_states(params, model_cfg, scfg, cfg, prompt, valid, out,
-                              sdrl.advantages(np.ones(b), cfg),
-                              jax.device_put(jax.random.PRNGKey(0), on_mesh))
-  assert float(batch["replay_agreement"]) == 1.0
-  ok = np.asarray(batch["valid_U"])
-  row_U, step_U = np.asarray(batch["row_U"]), np.asarray(batch["step_U"])
-  k_U = (np.asarray(batch["prefix_len_U"]) - p) // c
+  batch, stats = sdrl.prepare_states(params, model_cfg, scfg, cfg, 1, prompt, valid, out,
+                                     sdrl.advantages(np.ones(b), cfg),
+                                     jax.device_put(jax.random.PRNGKey(0), on_mesh))
+  assert float(stats["replay_agreement"]) == 1.0
+  s = batch["valid_BxS"].shape[1]
+  ok = flat(batch["valid_BxS"])
+  row_U, step_U = np.repeat(np.arange(b), s), flat(batch["step_BxS"])
+  prefix_U = flat(batch["prefix_len_BxS"])
+  k_U = (prefix_U - p) // c
   assert ok.any() and (ok == (steps[k_U, row_U] > 0)).all()
   assert (step_U[ok] < steps[k_U, row_U][ok]).all()
-  cache_U = sdrl._take_rows(cache, batch["row_U"])
+  assert float(batch["norm_B"][0]) == ok.sum()
+  cache_U = losses.take_cache_rows(cache, jnp.asarray(row_U))
   logits = jax.jit(model.decode, static_argnums=1)(
-      params, model_cfg, batch["canvas_UxC"], cache_U, batch["prefix_len_U"], None, None,
-      batch["self_cond_UxCxD"])
+      params, model_cfg, flat(batch["canvas_BxSxC"]), cache_U, jnp.asarray(prefix_U), None, None,
+      flat(batch["self_cond_BxSxCxD"]))
   recorded = np.asarray(traj["argmax"])[k_U, np.maximum(step_U, 0), row_U]
   np.testing.assert_array_equal(np.asarray(jnp.argmax(logits, -1))[ok], recorded[ok])
   # Targets: the last argmax of the canvas's trajectory.
   last = np.asarray(traj["argmax"])[k_U, np.maximum(steps[k_U, row_U] - 1, 0), row_U]
-  np.testing.assert_array_equal(np.asarray(batch["target_UxC"])[ok], last[ok])
+  np.testing.assert_array_equal(flat(batch["target_BxSxC"])[ok], last[ok])
 
 
 def test_fused_step_self_conditioning_is_its_carried_embedding(params):
@@ -343,14 +366,17 @@ def test_sudoku_rewards_on_known_grids():
   assert sudoku.is_valid_solution(swapped) and not sudoku.is_consistent(puzzles[1], swapped)
   grids = np.stack([solutions[0], wrong_cell, swapped, np.zeros(81, np.int8)])
   puzzle_rows = np.stack([puzzles[0], puzzles[0], puzzles[1], puzzles[1]])
-  task = {"puzzle": puzzle_rows, "solution": np.stack([solutions[0]] * 2 + [solutions[1]] * 2)}
-  task["target"] = data.solution_tokens(task["solution"])
+  prompts = data.puzzle_prompts(puzzle_rows, np.stack([solutions[0]] * 2 + [solutions[1]] * 2),
+                                "digits")
   tokens = data.solution_tokens(grids)
   tokens[3] = data.PAD  # an empty canvas: every cell blank
 
-  def run(**kwargs):
-    cfg = rewards.RewardConfig(**kwargs)
-    return rewards.compute(cfg, tokens, task, np.full(4, 6.0), np.full(4, 81), 48, 81, (1,), 0)
+  def run(step_penalty=0.0, length_penalty=0.0, **credit):
+    config = tiny_configs()[1]
+    config.sdrl.reward.update({"partial_credit": "none", **credit})
+    score, correct = make_task(config).reward(prompts, tokens)
+    shaping = rewards.ShapingConfig(step_penalty, length_penalty)
+    return rewards.shape(shaping, score, correct, np.full(4, 6.0), np.full(4, 81), 48, 81)
 
   plain = run()
   np.testing.assert_array_equal(plain["correct"], [True, False, False, False])
@@ -369,8 +395,6 @@ def test_sudoku_rewards_on_known_grids():
   np.testing.assert_allclose(units[2:], [kept / 27, 0.0])
   shaped = run(step_penalty=0.48, length_penalty=0.1)["reward"]
   np.testing.assert_allclose(shaped, plain["reward"] - 0.48 * 6 / 48 - 0.1, rtol=1e-6)
-  exact = run(name="exact_match")
-  np.testing.assert_array_equal(exact["correct"], [True, False, False, False])
 
 
 def test_consistent_cells_against_brute_force():
@@ -393,20 +417,14 @@ def test_consistent_cells_against_brute_force():
                      and (box == d).sum() == 1 and puzzle[r * 9 + c] in (0, d))
     return out.reshape(81)
 
-  got = rewards.consistent_cells(puzzles, grids)
+  got = sudoku.consistent_cells(puzzles, grids)
   np.testing.assert_array_equal(got, [brute(p, g) for p, g in zip(puzzles, grids)])
   assert got[0].all() and not got[1:].all()
   tokens = data.solution_tokens(grids)
-  np.testing.assert_array_equal(rewards.consistent_token_mask(tokens, {"puzzle": puzzles}), got)
-
-
-def test_exact_match_reward_reads_up_to_the_first_stop_id():
-  eos, pad = 1, 0
-  tokens = np.array([[5, 6, eos, pad], [5, 6, 7, eos], [5, eos, 9, 9], [5, 6, pad, pad]])
-  target = np.array([[5, 6, eos, pad]] * 4)
-  out = rewards.compute(rewards.RewardConfig(name="exact_match"), tokens, {"target": target},
-                        np.ones(4), np.ones(4), 48, 4, (eos,), pad)
-  np.testing.assert_array_equal(out["correct"], [True, False, False, True])
+  config = tiny_configs()[1]
+  config.sdrl.cell_weighting = "consistent"
+  prompts = data.puzzle_prompts(puzzles, solutions, "digits")
+  np.testing.assert_array_equal(make_task(config).token_weights(prompts, tokens), got)
 
 
 def test_bad_config_values_fail_with_one_line():
@@ -423,7 +441,7 @@ def test_bad_config_values_fail_with_one_line():
   bad = sdrl_sudoku.get_config()
   bad.sdrl.reward.partial_credit = "most"
   with pytest.raises(ValueError, match="partial_credit"):
-    sdrl.validate_config(bad)
+    make_task(bad)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -434,18 +452,18 @@ def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
   sft_dir = str(tmp_path / "sft")
   sft_params = save_sft_run(sft, sft_dir)
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  last = sdrl.train(config, straight, init_from=sft_dir)
+  last = train_loop.train(config, straight, init_from=sft_dir)
   for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/accuracy",
-              "rollout/tokens_per_forward", "rollout/steps_per_canvas", "time/rollout_share",
-              "time/update_share", "loss"):
+              "rollout/tokens_per_forward", "rollout/steps_per_canvas", "time/rollout_seconds",
+              "time/sampling_share", "loss"):
     assert np.isfinite(last[key]), key
   assert last["states/replay_agreement"] == 1.0
-  sdrl.train(config, resumed, stop_at=2, init_from=sft_dir)
+  train_loop.train(config, resumed, stop_at=2, init_from=sft_dir)
   assert checkpointing.latest_step(resumed) == 2
-  sdrl.train(config, resumed)
+  train_loop.train(config, resumed)
 
-  *_, a, _, step_a = trainer.restore_run(straight)  # as eval.py reads a run
-  *_, b, _, step_b = trainer.restore_run(resumed)
+  *_, a, _, step_a = run_state.restore_run(straight)
+  *_, b, _, step_b = run_state.restore_run(resumed)
   assert step_a == step_b == 4
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
   assert not np.array_equal(a["params"]["embedding"], sft_params["embedding"])  # it trained
@@ -454,4 +472,4 @@ def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
 def test_a_new_run_needs_init_from(tmp_path):
   _, config = tiny_configs()
   with pytest.raises(checkpointing.CheckpointError, match="--init_from"):
-    sdrl.train(config, str(tmp_path / "run"))
+    train_loop.train(config, str(tmp_path / "run"))

@@ -344,7 +344,7 @@ def test_sources_work_with_grain(tmp_path):
 
 
 def test_step_profile_against_a_loop():
-  """`evaluation.step_profile` on a random trajectory (one canvas, rows stopping at different
+  """`step_profile` on a random trajectory (one canvas, rows stopping at different
   steps) equals per-cell loops over the steps each row ran."""
   rng = np.random.default_rng(0)
   n, b, c = 4, 3, data.CANVAS_LEN + 2
@@ -360,7 +360,7 @@ def test_step_profile_against_a_loop():
           "entropy": rng.random((n, b, c))[None].astype(np.float32), "valid": valid_NxB[None]}
   got = data.step_profile(traj, puzzles, solutions)
   for s in range(n):
-    want = dict.fromkeys(evaluation.STEP_PROFILE_KEYS, 0.0)
+    want = dict.fromkeys(data.STEP_PROFILE_KEYS, 0.0)
     for row in range(b):
       if not valid_NxB[s, row]:
         continue
@@ -377,5 +377,5 @@ def test_step_profile_against_a_loop():
           want["blank_entropy"] += entropy
         else:
           want["given_entropy"] += entropy
-    for key in evaluation.STEP_PROFILE_KEYS:
+    for key in data.STEP_PROFILE_KEYS:
       np.testing.assert_allclose(got[key][s], want[key], rtol=1e-6, err_msg=f"{key}, step {s}")

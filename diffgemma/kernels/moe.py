@@ -1,4 +1,4 @@
-"""Pallas grouped-matmul expert MLP for the MoE layer (DESIGN.md section 6 (b)).
+"""Pallas grouped-matmul expert MLP for the MoE layer (docs/design.md, "Kernels").
 
 `expert_mlp` is a drop-in for the grouped part of `model.moe`: rows sorted by expert go through
 their expert's gated MLP, y = (gelu_tanh(x Wg) * (x Wu)) Wd * row_weight. `model.moe` calls it

@@ -285,6 +285,9 @@ class SudokuTask(Task):
         else PromptConfig()
     sudoku.check_givens_range(self.prompt_cfg.min_givens, self.prompt_cfg.max_givens)
     reward = dict(sdrl.reward.to_dict()) if sdrl and "reward" in sdrl else {}
+    if reward.get("name", "sudoku") != "sudoku":
+      raise ValueError(f"unknown sdrl.reward.name {reward['name']!r} for the Sudoku task; "
+                       "choose 'sudoku' (the verifier)")
     self.reward_cfg = RewardConfig(**{k: reward[k] for k in ("partial_credit", "partial_weight")
                                       if k in reward})
     self.cell_weighting = sdrl.get("cell_weighting", "none") if sdrl else "none"

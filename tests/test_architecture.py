@@ -1,0 +1,90 @@
+"""The package's shape, checked on the source tree: import layers (as docs/design.md lists them,
+so no import circle can form) and the task boundary (no generic module imports a task)."""
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "diffgemma"
+TASK_PACKAGE = "diffgemma.tasks"
+# The task interface and the registry are what generic code may import from the tasks package.
+TASK_INTERFACE = {"diffgemma.tasks", "diffgemma.tasks.base"}
+
+
+def module_name(path: str) -> str:
+  rel = os.path.relpath(path, ROOT)[:-len(".py")].replace(os.sep, ".")
+  return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def package_modules() -> dict[str, str]:
+  """{module name: path} of every module of the package."""
+  found = {}
+  for directory, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
+    for name in files:
+      if name.endswith(".py"):
+        path = os.path.join(directory, name)
+        found[module_name(path)] = path
+  return found
+
+
+def imported_modules(path: str, known: set[str]) -> set[str]:
+  """Package modules `path` imports anywhere in it (module level or inside functions);
+  `from pkg import name` counts as pkg.name when that is a module."""
+  tree = ast.parse(open(path, encoding="utf-8").read(), path)
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(alias.name for alias in node.names if alias.name.split(".")[0] == PACKAGE)
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      if node.module.split(".")[0] != PACKAGE:
+        continue
+      for alias in node.names:
+        sub = f"{node.module}.{alias.name}"
+        out.add(sub if sub in known else node.module)
+  return out
+
+
+def design_layers() -> dict[str, int]:
+  """{module: layer} from the table in docs/design.md."""
+  text = open(os.path.join(ROOT, "docs", "design.md"), encoding="utf-8").read()
+  rows = re.findall(r"^\| `(diffgemma/[\w/]+)\.py` \| (\d+) \|", text, re.M)
+  return {module_name(os.path.join(ROOT, path + ".py")): int(layer) for path, layer in rows}
+
+
+def test_design_lists_every_module_once():
+  layers, modules = design_layers(), package_modules()
+  assert sorted(layers) == sorted(modules), (
+      f"docs/design.md misses {sorted(set(modules) - set(layers))}, lists unknown "
+      f"{sorted(set(layers) - set(modules))}")
+
+
+def test_imports_point_to_lower_layers_only():
+  """Strictly lower layers: the import graph has no circle, and each module's place is the
+  documented one."""
+  layers, modules = design_layers(), package_modules()
+  bad = []
+  for name, path in sorted(modules.items()):
+    for target in sorted(imported_modules(path, set(modules))):
+      if target == PACKAGE or (target in modules and name.startswith(target + ".")):
+        continue  # a package's own __init__ runs first anyway
+      if target not in layers or layers[target] >= layers.get(name, -1):
+        bad.append(f"{name} (layer {layers.get(name)}) imports {target} "
+                   f"(layer {layers.get(target)})")
+  assert not bad, "\n".join(bad)
+
+
+def test_no_generic_module_imports_a_task_module():
+  """Only tasks/ (and configs/, tests/, task-specific scripts) name a task module; generic code
+  and the entry points reach tasks through the registry and the interface."""
+  modules = package_modules()
+  files = [p for n, p in modules.items() if not n.startswith(TASK_PACKAGE + ".")]
+  files += [os.path.join(ROOT, f) for f in ("train.py", "eval.py", "sample.py")]
+  files += [os.path.join(ROOT, "benchmarks", f) for f in os.listdir(os.path.join(ROOT, "benchmarks"))
+            if f.endswith(".py")]
+  bad = []
+  for path in files:
+    for target in imported_modules(path, set(modules)):
+      if target.startswith(TASK_PACKAGE) and target not in TASK_INTERFACE:
+        bad.append(f"{os.path.relpath(path, ROOT)} imports {target}")
+  assert not bad, "\n".join(bad)
