@@ -101,7 +101,7 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
   try:
     text_metrics.check_metric(metric, answer_regex)
   except ValueError as e:
-    raise ValueError(f"eval.{e}") from None
+    raise ValueError(f"eval.metric / eval.answer_regex: {e}") from None
   if int(ev.get("num_examples", 0)) < 0:
     raise ValueError(f"eval.num_examples must be >= 0, got {ev.get('num_examples')}")
   sdrl = config.get("sdrl")

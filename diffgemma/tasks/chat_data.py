@@ -78,7 +78,7 @@ def read_jsonl(path: str) -> list[Conversation]:
     raise ChatDataError(f"data file {path} not found")
   conversations = []
   try:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is not content
       for number, text in enumerate(f, start=1):
         if not text.strip():
           continue
