@@ -54,11 +54,14 @@ CONVERSATIONS = {
 }
 
 
+@pytest.mark.parametrize("tokenizer_class", ["GemmaTokenizer", "PreTrainedTokenizerFast"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("case", sorted(CONVERSATIONS))
-def test_render_matches_apply_chat_template(tmp_path, case, add_generation_prompt):
+def test_render_matches_apply_chat_template(tmp_path, case, add_generation_prompt,
+                                            tokenizer_class):
   d = write_tokenizer_json(tmp_path, template=GEMMA_LIKE_TEMPLATE,
-                           config_extra={"sot_token": "<|turn>"})
+                           config_extra={"sot_token": "<|turn>",
+                                         "tokenizer_class": tokenizer_class})
   ours = tokenizer_lib.load_tokenizer(d)
   ref = AutoTokenizer.from_pretrained(d)
   messages = CONVERSATIONS[case]
