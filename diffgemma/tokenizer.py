@@ -1,24 +1,32 @@
-r"""The Gemma tokenizer of a checkpoint directory, and the chat prompt of one user turn.
+r"""The Gemma tokenizer of a checkpoint directory, a byte-level tokenizer, and chat rendering.
 
 A transformers-format checkpoint ships `tokenizer.json` (read with the `tokenizers` package); the
 `gemma` package and older exports ship a SentencePiece `tokenizer.model` (read with
-`sentencepiece`). Either gives the same small interface: `encode`, `decode`, the special ids, and
-`chat_prompt`, which renders what the checkpoint's chat template renders for one user message
-with the generation prompt (`apply_chat_template(..., add_generation_prompt=True)`):
+`sentencepiece`); `load_tokenizer("bytes")` is a byte-level tokenizer for from-scratch research
+models (PAD 0, EOS 1, BOS 2, Gemma 4's turn markers 3 and 4, then the 256 bytes) with a
+Gemma-4-style chat template of its own (`BYTES_CHAT_TEMPLATE`). All give the same small
+interface: `encode`, `decode`, the special ids, `render` (a conversation through the chat
+template, tokenized as `apply_chat_template(..., tokenize=True)` does; diffgemma/chat_template.py)
+and `chat_prompt`, one user message with the generation prompt
+(`apply_chat_template(..., add_generation_prompt=True)`):
 
   <bos><|turn>user\n{text}<turn|>\n<|turn>model\n            (Gemma 4; Gemma 2/3 use
                                                                <start_of_turn> / <end_of_turn>)
 
 The turn markers come from the checkpoint (`sot_token` / `eot_token` in tokenizer_config.json, or
 the pair its chat template uses, or the pair its vocabulary has), falling back to Gemma 4's.
+Without a chat template, `chat_prompt` writes the Gemma layout above itself and `render` fails.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from diffgemma import chat_template
 
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -35,6 +43,23 @@ GEMMA4_CHANNEL = ("<|channel>", "<channel|>")
 USER_ROLE, MODEL_ROLE = "user", "model"
 _MARKERS = frozenset(GEMMA4_TURN + GEMMA3_TURN + GEMMA4_CHANNEL)
 DEFAULT_SPECIALS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+BYTES = "bytes"  # load_tokenizer's name for the byte-level tokenizer
+
+# The byte-level tokenizer's chat template: Gemma 4's turn layout (a system turn of its own,
+# "model" for the assistant, contents trimmed).
+BYTES_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- for message in messages -%}
+  {%- if message['role'] not in ['system', 'user', 'assistant'] -%}
+    {{- raise_exception('unknown role ' + message['role'] + '; use system, user or assistant') -}}
+  {%- endif -%}
+  {{- '<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}
+  {{- message['content'] | trim -}}
+  {{- '<turn|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|turn>model\\n' -}}
+{%- endif -%}
+"""
 
 
 class TokenizerError(ValueError):
@@ -51,6 +76,8 @@ class Tokenizer:
     start_of_turn, end_of_turn: the chat turn markers (token strings).
     eot_id: id of `end_of_turn`, a stop token for chat replies; None if the vocabulary lacks it.
     generation_suffix: text the chat template adds after the model-turn opening ("" usually).
+    chat_template: the template's jinja text (None if the directory has none).
+    template_variables: the special-token variables the template sees (bos_token, ...).
   """
 
   def __init__(self, backend, directory: str, config: dict[str, Any], template: str | None):
@@ -69,6 +96,8 @@ class Tokenizer:
     self.eot_id = backend.token_to_id(self.end_of_turn)
     self._channel = _channel_markers(config)
     self.generation_suffix = _generation_suffix(self._channel, template)
+    self.chat_template = template
+    self.template_variables = chat_template.special_token_variables(config, DEFAULT_SPECIALS)
 
   def encode(self, text: str) -> list[int]:
     """Token ids of `text`, no BOS. Special-token strings in it become those tokens as in
@@ -88,11 +117,32 @@ class Tokenizer:
     """Ids that end a reply: EOS, and the end-of-turn marker where the vocabulary has it."""
     return tuple(dict.fromkeys(i for i in (self.eos_id, self.eot_id) if i is not None))
 
-  def chat_prompt(self, user_text: str) -> list[int]:
-    """Ids of one user turn followed by the opening of the model turn (the generation prompt).
+  def render_text(self, messages: Sequence[Mapping[str, Any]],
+                  add_generation_prompt: bool = False) -> str:
+    """The chat template's text for `messages` (dicts with "role" and "content")."""
+    if self.chat_template is None:
+      raise TokenizerError(
+          f"tokenizer in {self.directory} has no chat template: add chat_template.jinja (or a "
+          f"chat_template entry in {TOKENIZER_CONFIG}) beside it")
+    try:
+      return chat_template.render(self.chat_template, messages, self.template_variables,
+                                  add_generation_prompt)
+    except chat_template.ChatTemplateError as e:
+      raise TokenizerError(f"{e} (tokenizer in {self.directory})") from e
 
-    As Gemma's templates, the message is trimmed of surrounding whitespace.
-    """
+  def render(self, messages: Sequence[Mapping[str, Any]],
+             add_generation_prompt: bool = False) -> list[int]:
+    """Ids of `messages` through the chat template, as transformers' `apply_chat_template(...,
+    tokenize=True)`: the rendered text tokenized without added special tokens (the template
+    writes BOS), special-token strings in it becoming their ids."""
+    return self._backend.encode_with_specials(self.render_text(messages, add_generation_prompt))
+
+  def chat_prompt(self, user_text: str) -> list[int]:
+    """Ids of one user turn followed by the opening of the model turn (the generation prompt):
+    the chat template's rendering where there is one; else Gemma's layout written here, the
+    message trimmed of surrounding whitespace as Gemma's templates do."""
+    if self.chat_template is not None:
+      return self.render([{"role": "user", "content": user_text}], add_generation_prompt=True)
     sot, eot = self.start_of_turn, self.end_of_turn
     markers = (sot, eot) + (self._channel if self.generation_suffix else ())
     for marker in markers:
@@ -116,12 +166,15 @@ class Tokenizer:
 
 
 def load_tokenizer(directory: str) -> Tokenizer:
-  """The tokenizer of a checkpoint directory: `tokenizer.json`, else `tokenizer.model`.
+  """The tokenizer of a checkpoint directory: `tokenizer.json`, else `tokenizer.model`; the
+  byte-level tokenizer for "bytes" (a directory of that name needs a path: ./bytes).
 
   Raises:
     TokenizerError: neither file exists, or the file cannot be read (one line, naming it).
   """
   directory = os.fspath(directory)
+  if directory == BYTES:
+    return Tokenizer(_BytesBackend(), BYTES, {}, BYTES_CHAT_TEMPLATE)
   config = _read_json(os.path.join(directory, TOKENIZER_CONFIG)) or {}
   template = _chat_template(directory, config)
   json_path = os.path.join(directory, TOKENIZER_JSON)
@@ -156,6 +209,8 @@ class _TokenizersBackend:
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
 
+  encode_with_specials = encode  # added tokens are split out of the text already
+
   def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
     return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -180,9 +235,27 @@ class _SentencePieceBackend:
     except Exception as e:  # OSError or RuntimeError, depending on the version
       raise TokenizerError(f"cannot read {path}: {_first_line(e)}") from e
     self.vocab_size = self._sp.GetPieceSize()
+    # Pieces transformers' converted tokenizer treats as added tokens (split out of any text)
+    # that SentencePiece does not parse itself: control pieces (<bos>, <eos>, <pad>, ...) and
+    # the unknown piece (user-defined pieces it parses).
+    specials = [self._sp.IdToPiece(i) for i in range(self.vocab_size)
+                if self._sp.IsControl(i) or self._sp.IsUnknown(i)]
+    self._specials = {p: self._sp.PieceToId(p) for p in specials if p}
+    self._split = _special_splitter(self._specials)
 
   def encode(self, text: str) -> list[int]:
     return list(self._sp.EncodeAsIds(text))
+
+  def encode_with_specials(self, text: str) -> list[int]:
+    """`encode`, except that special-piece strings in the text become their ids (SentencePiece
+    parses user-defined pieces but not control pieces such as <bos>)."""
+    ids = []
+    for i, part in enumerate(self._split.split(text)):
+      if i % 2:
+        ids.append(self._specials[part])
+      elif part:
+        ids += self.encode(part)
+    return ids
 
   def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
     if skip_special_tokens:
@@ -194,6 +267,58 @@ class _SentencePieceBackend:
     i = self._sp.PieceToId(token)
     # Unknown pieces map to the unk id; only the unk piece itself may have it.
     return None if i == self._sp.unk_id() and token != self._sp.IdToPiece(i) else i
+
+
+class _BytesBackend:
+  """Byte-level ids: PAD 0, EOS 1, BOS 2, <|turn> 3, <turn|> 4, then byte b -> 5 + b (UTF-8).
+
+  Special-token strings in a text become their ids (as added tokens in transformers)."""
+
+  parses_special_tokens = True
+  SPECIALS = ("<pad>", "<eos>", "<bos>") + GEMMA4_TURN
+  BYTE_OFFSET = len(SPECIALS)
+  vocab_size = BYTE_OFFSET + 256
+
+  def __init__(self):
+    self._specials = {token: i for i, token in enumerate(self.SPECIALS)}
+    self._split = _special_splitter(self._specials)
+
+  def encode(self, text: str) -> list[int]:
+    ids = []
+    for i, part in enumerate(self._split.split(text)):
+      if i % 2:
+        ids.append(self._specials[part])
+      else:
+        ids += [self.BYTE_OFFSET + b for b in part.encode("utf-8")]
+    return ids
+
+  encode_with_specials = encode
+
+  def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+    out, run = [], bytearray()
+    for i in ids:
+      if i >= self.BYTE_OFFSET:
+        run.append(i - self.BYTE_OFFSET)
+        continue
+      out.append(run.decode("utf-8", errors="replace"))
+      run = bytearray()
+      if not skip_special_tokens:
+        out.append(self.SPECIALS[i])
+    out.append(run.decode("utf-8", errors="replace"))
+    return "".join(out)
+
+  def token_to_id(self, token: str) -> int | None:
+    if token in self._specials:
+      return self._specials[token]
+    raw = token.encode("utf-8")
+    return self.BYTE_OFFSET + raw[0] if len(raw) == 1 else None
+
+
+def _special_splitter(specials) -> re.Pattern:
+  """A pattern whose `split` alternates text and special-token strings (longest first)."""
+  alternatives = sorted((t for t in specials if t), key=len, reverse=True)
+  return re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if alternatives else (
+      re.compile("(?!)"))
 
 
 # ----------------------------------------------------------------------------- config reading

@@ -1,0 +1,121 @@
+"""SFT of a small DiffusionGemma on your chat data, from scratch, with the byte-level tokenizer.
+
+  python scripts/make_chat_task.py --task=count --num=20000 --seed=1 --out=/tmp/count.jsonl
+  python train.py --config=sft_chat --workdir=/tmp/chat --config.data.train=/tmp/count.jsonl
+  python eval.py --workdir=/tmp/chat --data=HELDOUT.jsonl
+
+`--config=sft_chat:sort` sizes the layout for scripts/make_chat_task.py's sort task (its prompts
+are up to ~95 bytes; replies fit 2 canvases). To fine-tune a checkpoint on chat data instead,
+pass --init_from=DIR: its tokenizer and chat template are used when data.tokenizer is empty
+(see configs/sft_pubmedqa_lora.py).
+
+Chat-task keys (diffgemma/tasks/chat.py reads them; data formats, layout and overflow policies
+are described in diffgemma/tasks/chat_data.py):
+  task.name            "chat".
+  data.train           training JSONL: a path, comma-separated paths, or a list of paths. Each
+                       line is {"messages": [...]}, {"prompt", "completion"} or ShareGPT
+                       {"conversations": [...]}; one example per assistant turn.
+  data.weights         mixing weights, one per data.train file (comma-separated or a list);
+                       empty = proportional to each file's number of examples.
+  data.eval            held-out JSONL for the periodic evaluation (the last assistant turn of
+                       each line is the reference); or
+  data.eval_fraction   the share of each training file's conversations held out instead (0 =
+                       none; not both).
+  data.tokenizer       "bytes"; or a directory with tokenizer.json or tokenizer.model and a chat
+                       template; empty = the --init_from checkpoint's.
+  data.prompt_len      P: prompt slots (the rendered history and generation prompt, BOS
+                       included, left-padded).
+  data.num_canvases    K: reply canvases of model.canvas_length tokens (the sampler's budget is
+                       K * canvas_length).
+  data.overflow        prompts longer than P / replies longer than K canvases:
+                       "truncate_left" (prompts lose their oldest tokens after BOS; replies keep
+                       their beginning), "drop" (skip the example) or "error".
+  data.seed            shuffling (per file, new every epoch) and the eval_fraction split.
+  data.num_threads, data.prefetch   grain reader threads and prefetched batches.
+  eval.every_steps     periodic evaluation on the held-out set (0 = off).
+  eval.num_examples    held-out examples it uses (0 = all; a seeded subset when fewer).
+  eval.batch_size      sampler batch of evaluation.
+  eval.metric          "exact" (stripped match), "choice" ("the answer is yes|no|maybe"), "gsm8k"
+                       (the number after ####), "regex" (first group of eval.answer_regex).
+  eval.answer_regex    the pattern of metric "regex", with one capturing group.
+  eval.seed            which held-out examples when num_examples is smaller than the set.
+SD·RL (a `sdrl` section): sdrl.reward is one of the metric names (default "exact"), or
+sdrl.reward_fn = "package.module:function", called as function(prompt, reply, reference) ->
+float in [0, 1] (prompt: the last user turn's text; reply: the generated text up to its first
+stop token; reference: the data's reply).
+"""
+
+import dataclasses
+
+import ml_collections
+
+from diffgemma.config import ModelConfig
+from diffgemma.lora import LoraConfig
+from diffgemma.sharding import ShardingConfig
+
+BYTE_VOCAB = 261  # the byte tokenizer: PAD, EOS, BOS, <|turn>, <turn|>, 256 bytes
+CANVAS = 32
+# Layouts per synthetic task (scripts/make_chat_task.py): "count" prompts are <= 40 bytes with
+# the template and replies <= 164 bytes with the end-of-turn (6 canvases of 32); "sort" prompts
+# are <= 96 bytes and replies <= 61 (2 canvases).
+LAYOUTS = {"count": dict(prompt_len=48, num_canvases=6),
+           "sort": dict(prompt_len=96, num_canvases=2)}
+
+
+def get_config(variant: str = "count"):
+  if variant not in LAYOUTS:
+    raise ValueError(f"unknown sft_chat variant {variant!r}; choose one of {tuple(LAYOUTS)}")
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.num_train_steps = 4000
+  c.batch_size = 16
+  c.max_train_minutes = 30.0  # stop (and checkpoint) after this much wall-clock time; 0 = off
+  c.log_every = 20
+  c.checkpoint_every = 250
+  c.keep_checkpoints = 2
+
+  c.task = ml_collections.ConfigDict(dict(name="chat"))
+
+  # Model: Sudoku-sized DiffusionGemma (about 2.3M parameters) over the byte vocabulary.
+  c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig(
+      vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+      num_kv_heads=4, head_dim=32, global_head_dim=32, num_global_kv_heads=2,
+      # theta 100 spreads the RoPE frequencies over the ~250-token context; q/k norms start at
+      # head_dim**-0.25 so attention logits start at unit scale (training from scratch).
+      sliding_rope_theta=100.0, qk_norm_init=32 ** -0.25,
+      sliding_window=1024, num_experts=8, top_k_experts=2, moe_intermediate_size=128,
+      canvas_length=CANVAS, param_dtype="float32", compute_dtype="float32",
+      moe_impl="tiled", moe_tile_size=128)))
+
+  # Objective (diffgemma.losses.LossConfig; the layout P, K, C comes from the task). One
+  # supervised canvas per example, uniformly among its valid canvases, the earlier ones clean in
+  # the encoder cache; the encoder's next-token loss on the reply.
+  c.loss = ml_collections.ConfigDict(dict(
+      encoder_weight=1.0, decoder_weight=1.0, encoder_scope="target", canvas_selection="one",
+      noise_schedule="linear", t_eps=1e-3, self_conditioning_prob=0.5,
+      decoder_weighting="flat"))
+
+  c.grad_accum_steps = 1
+  c.freeze_router = False
+  c.lora = ml_collections.ConfigDict(dataclasses.asdict(LoraConfig()))
+  c.sharding = ml_collections.ConfigDict(dataclasses.asdict(ShardingConfig()))
+
+  c.optimizer = ml_collections.ConfigDict(dict(
+      lr=3e-3, warmup_steps=100, schedule="cosine", end_lr_fraction=0.05, weight_decay=0.01,
+      b1=0.9, b2=0.99, grad_clip=1.0))
+
+  c.data = ml_collections.ConfigDict(dict(
+      train="", weights="", eval="", eval_fraction=0.0, tokenizer="bytes",
+      **LAYOUTS[variant], overflow="truncate_left", seed=1, num_threads=1, prefetch=4))
+
+  # Sampler (report Table 2 defaults); the budget is the layout's K canvases.
+  c.sampler = ml_collections.ConfigDict(dict(
+      max_denoising_steps=48, entropy_bound=0.1, t_max=0.8, t_min=0.4,
+      confidence_threshold=0.005, stability_threshold=1,
+      max_new_tokens=LAYOUTS[variant]["num_canvases"] * CANVAS, mode="diffusion",
+      fused_step=False, top_k=0))
+
+  c.eval = ml_collections.ConfigDict(dict(
+      every_steps=1000, num_examples=64, batch_size=64, metric="exact", answer_regex="",
+      seed=12345))
+  return c
