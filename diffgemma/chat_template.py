@@ -29,6 +29,8 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 
+from diffgemma import errors
+
 ROLES = ("system", "user", "assistant")
 # Named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES);
 # any other `*_token` entry of tokenizer_config.json is passed too.
@@ -36,7 +38,7 @@ STANDARD_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "
                            "cls_token", "mask_token")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(errors.InputError):
   """A template that does not compile or refuses a conversation; the message is one line."""
 
 

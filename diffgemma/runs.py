@@ -79,7 +79,7 @@ def _with_eval_overrides(config, overrides):
 
 def _task(config, where: str) -> Task:
   try:
-    task = make_task(config)
+    task = make_task(config, training=False)
     if config.model.vocab_size < task.min_vocab_size:
       raise ValueError(f"model.vocab_size={config.model.vocab_size} is too small for the task "
                        f"(needs {task.min_vocab_size})")

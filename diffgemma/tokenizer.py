@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from diffgemma import chat_template
+from diffgemma import chat_template, errors
 
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -62,7 +62,7 @@ BYTES_CHAT_TEMPLATE = """{{- bos_token -}}
 """
 
 
-class TokenizerError(ValueError):
+class TokenizerError(errors.InputError):
   """A missing or unusable tokenizer; the message is one line and names the directory."""
 
 

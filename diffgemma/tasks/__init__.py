@@ -12,7 +12,7 @@ import ml_collections
 
 from diffgemma.tasks.base import Layout, Prompts, Task
 
-# name -> module defining `from_config(config) -> Task`.
+# name -> module defining `from_config(config, training) -> Task`.
 TASKS = {"sudoku": "diffgemma.tasks.sudoku", "chat": "diffgemma.tasks.chat"}
 DEFAULT_TASK = "sudoku"  # configs written before tasks existed are Sudoku runs
 
@@ -25,9 +25,10 @@ def task_name(config: ml_collections.ConfigDict) -> str:
   return name
 
 
-def make_task(config: ml_collections.ConfigDict) -> Task:
-  """The run's task, built from (and validating) its config sections; ValueError if bad."""
-  return importlib.import_module(TASKS[task_name(config)]).from_config(config)
+def make_task(config: ml_collections.ConfigDict, training: bool = True) -> Task:
+  """The run's task, built from (and validating) its config sections; ValueError if bad.
+  `training=False` (evaluation, sampling): the task need not read its training data."""
+  return importlib.import_module(TASKS[task_name(config)]).from_config(config, training)
 
 
 __all__ = ["Layout", "Prompts", "Task", "TASKS", "make_task", "task_name"]

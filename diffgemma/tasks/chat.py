@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 import numpy as np
 
-from diffgemma import tokenizer as tokenizer_lib
+from diffgemma import checkpointing, tokenizer as tokenizer_lib
 from diffgemma.tasks import chat_data, text_metrics
 from diffgemma.tasks.base import Layout, Prompts, Task
 
@@ -125,10 +125,28 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
       metric=metric, answer_regex=answer_regex, reward=reward, reward_fn=reward_fn)
 
 
+def tokenizer_source(directory: str) -> str:
+  """Where a checkpoint directory's tokenizer lives: the directory itself when it holds
+  tokenizer files; for a training workdir, its own tokenizer setting (`data.tokenizer`) or, if
+  that is empty, the tokenizer of the checkpoint it started from, recursively."""
+  if any(os.path.isfile(os.path.join(directory, f))
+         for f in (tokenizer_lib.TOKENIZER_JSON, tokenizer_lib.SENTENCEPIECE_MODEL)):
+    return directory
+  config_path = os.path.join(directory, "config.json")
+  if os.path.isdir(os.path.join(directory, "checkpoints")) and os.path.isfile(config_path):
+    saved = checkpointing.load_config(directory)
+    data = saved.get("data") or {}
+    if data.get("tokenizer"):
+      return data["tokenizer"]
+    if saved.get("init_from") and os.path.abspath(saved.init_from) != os.path.abspath(directory):
+      return tokenizer_source(saved.init_from)
+  return directory
+
+
 def load_tokenizer(settings: ChatSettings, init_from: str | None):
-  """The task's tokenizer (`data.tokenizer`, else the init_from directory); it must have a
-  chat template and an end-of-turn marker."""
-  source = settings.tokenizer or init_from
+  """The task's tokenizer (`data.tokenizer`, else the init_from checkpoint's, found through
+  training workdirs); it must have a chat template and an end-of-turn marker."""
+  source = settings.tokenizer or (tokenizer_source(init_from) if init_from else "")
   if not source:
     raise ValueError("no tokenizer: set data.tokenizer to a tokenizer directory or 'bytes', or "
                      "start from a checkpoint with --init_from")
@@ -503,10 +521,14 @@ class ChatTask(Task):
     return score_B, score_B >= 1.0
 
 
-def from_config(config: ml_collections.ConfigDict) -> ChatTask:
+def from_config(config: ml_collections.ConfigDict, training: bool = True) -> ChatTask:
   """The chat task of a run config (`config.init_from`: the checkpoint the run starts from, if
-  any; its tokenizer is the default). Reads and checks all data; ValueError (one line)."""
+  any; its tokenizer is the default). Reads and checks all data; ValueError (one line). With
+  `training=False` (evaluating or sampling a finished run) the training files are not read."""
   settings = settings_from_config(config)
+  if not training:
+    settings = dataclasses.replace(settings, train=(), weights=(), eval_file="",
+                                   eval_fraction=0.0)
   tok = load_tokenizer(settings, config.get("init_from"))
   model = config.model
   for name, ours in (("pad", tok.pad_id), ("eos", tok.eos_id), ("bos", tok.bos_id)):

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
+from diffgemma import errors
 from diffgemma.tasks.base import Layout
 
 OVERFLOW_POLICIES = ("truncate_left", "drop", "error")
@@ -48,7 +49,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 ROLES = ("system", "user", "assistant")
 
 
-class ChatDataError(ValueError):
+class ChatDataError(errors.InputError):
   """A malformed data file or example; one line naming the file (and line)."""
 
 
