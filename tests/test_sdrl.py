@@ -473,3 +473,17 @@ def test_a_new_run_needs_init_from(tmp_path):
   _, config = tiny_configs()
   with pytest.raises(checkpointing.CheckpointError, match="--init_from"):
     train_loop.train(config, str(tmp_path / "run"))
+
+
+def test_dry_run_plans_the_rollout_and_the_update_on_two_devices():
+  """`train.py --dry_run` of an SD·RL config compiles both of its programs on a simulated mesh."""
+  from tests.test_cli import run
+  r = run("train.py", "--config=sdrl_sudoku", "--dry_run", "--dry_run_devices=2",
+          "--config.model.num_layers=2", "--config.model.layer_types=()")
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = r.stdout
+  assert "dry run: 2 devices" in out, out
+  for program in ("update step", "rollout"):
+    line = next(l for l in out.splitlines() if l.startswith(f"{program}: peak "))
+    peak = float(line.split()[len(program.split()) + 1])
+    assert 0 < peak < 1.0 and "fits" in line, line
