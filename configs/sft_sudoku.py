@@ -21,6 +21,10 @@ def get_config():
   c.log_every = 20
   c.checkpoint_every = 250
   c.keep_checkpoints = 2
+  # A step whose loss or gradient norm is not finite: "stop" the run there (nothing of it is
+  # saved), or "skip" it (no update) at most max_nonfinite_skips times.
+  c.on_nonfinite = "stop"
+  c.max_nonfinite_skips = 10
 
   # Model: DiffusionGemma architecture at Sudoku size; every ModelConfig field is a config key.
   c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig(
