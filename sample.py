@@ -10,6 +10,9 @@ reply ends at EOS or at the end-of-turn marker. Sudoku, from a training run, sho
 after every denoising step:
 
   python sample.py --workdir=/tmp/sudoku --puzzle=53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79
+
+`--trace=FILE.gif` (Sudoku) draws the grid at every step as an animation; `--trace=FILE.html`
+(either mode) writes the canvas tokens of every step, shaded by entropy (diffgemma/traces.py).
 """
 
 import json
@@ -36,6 +39,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Sudoku mode: training run direc
 _PUZZLE = flags.DEFINE_string("puzzle", None, "Sudoku mode: 81 characters, row by row; "
                               "'.' or '0' = blank.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
+_TRACE = flags.DEFINE_string(
+    "trace", None, "Write a denoising trace: FILE.gif (Sudoku: the grid at every step) or "
+    "FILE.html (any task: the canvas tokens at every step, shaded by entropy, accepted marked).")
 
 
 def main(argv):
@@ -45,6 +51,13 @@ def main(argv):
   if text_mode and sudoku_mode:
     raise cli.UserError("choose text mode (--init_from, --prompt) or Sudoku mode (--workdir, "
                         "--puzzle), not both")
+  if _TRACE.value:
+    from diffgemma import traces
+
+    try:
+      traces.check_trace_path(_TRACE.value, (".html",) if text_mode else traces.TRACE_SUFFIXES)
+    except ValueError as e:
+      raise cli.UserError(str(e)) from None
   if text_mode:
     sample_text()
   elif sudoku_mode:
@@ -94,7 +107,8 @@ def sample_text():
   defaults = sampler.SamplerConfig()
   max_new = _MAX_NEW_TOKENS.value or defaults.max_new_tokens
   stops = _stop_ids(path, hf_config, tok, model_cfg)
-  sampler_cfg = defaults.replace(max_new_tokens=max_new, stop_token_ids=stops)
+  sampler_cfg = defaults.replace(max_new_tokens=max_new, stop_token_ids=stops,
+                                 record_trajectory=bool(_TRACE.value))
   slots = math.ceil(max_new / model_cfg.canvas_length) * model_cfg.canvas_length
   if context is not None and len(prompt_ids) + slots > context:
     raise cli.UserError(
@@ -122,6 +136,13 @@ def sample_text():
         f"{float(out['steps_per_canvas'][0]):.1f} steps per canvas; "
         f"{num_tokens / max(seconds, 1e-9):.1f} tokens/s "
         f"({seconds:.2f}s, compile {compiled - start:.1f}s)]")
+  if _TRACE.value:
+    from diffgemma import traces
+
+    rows = traces.write_text_trace(_TRACE.value, out["trajectory"],
+                                   lambda t: tok.decode([t], skip_special_tokens=False),
+                                   title=f"Denoising trace: {text[:80]}")
+    print(f"trace: {_TRACE.value} ({rows} denoising steps)")
 
 
 def _read_json(path: str) -> dict:
@@ -195,6 +216,11 @@ def sample_sudoku():
   print("valid solution" if solved else
         ("complete and valid but contradicts the givens" if sudoku.is_valid_solution(final) else
          "not a valid solution"))
+  if _TRACE.value:
+    from diffgemma import traces
+
+    frames = traces.write_sudoku_trace(_TRACE.value, trajectory, puzzle)
+    print(f"trace: {_TRACE.value} ({frames} denoising steps)")
 
 
 if __name__ == "__main__":

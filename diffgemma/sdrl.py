@@ -46,6 +46,7 @@ from diffgemma import (
   diffusion,
   losses,
   model,
+  provenance,
   rewards,
   sampler,
   sudoku,
@@ -542,6 +543,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
     validate_config(config)
     state = trainer.init_state(config, trainer.make_setup(config), params)
     checkpointing.save_config(workdir, config)
+  provenance.record_start(workdir, start_step)  # run_info.json: this invocation's provenance
   # Committed like the update's outputs (a fresh state's scalars are not), so each jitted
   # function compiles once.
   state = jax.jit(lambda state: state, donate_argnums=0)(state)
@@ -572,7 +574,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   last = {}
   bar = tqdm(total=config.num_train_steps, initial=start_step, desc="sdrl", unit="update",
              dynamic_ncols=True)
-  step = start_step
+  step, timed_out = start_step, False
   try:
     while step < config.num_train_steps:
       t_start = time.perf_counter()
@@ -639,4 +641,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
         break
   finally:
     trainer.close_run(bar, mngr, writer)
+  provenance.record_end(workdir, step,
+                        provenance.stop_reason(step, config.num_train_steps, timed_out))
   return last

@@ -22,6 +22,7 @@ from diffgemma import (
   lora,
   losses,
   model,
+  provenance,
   sampler,
   sharding,
   sudoku,
@@ -422,6 +423,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
                       out_shardings=jax.tree_util.tree_map(lambda x: x.sharding, target))
     state = init_fn(params, frozen)
     checkpointing.save_config(workdir, config)
+  provenance.record_start(workdir, start_step)  # run_info.json: this invocation's provenance
   mngr = checkpointing.manager(workdir, keep=config.keep_checkpoints)
   model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg
   sampler_cfg = sampler_config(config)
@@ -456,7 +458,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   window_start, window_steps = time.perf_counter(), 0
   bar = tqdm(total=config.num_train_steps, initial=start_step, desc="train", unit="step",
              dynamic_ncols=True)
-  step = start_step
+  step, timed_out = start_step, False
   try:
     while step < config.num_train_steps:
       batch = sharding.global_batch(next(batches), setup.mesh, setup.rules)
@@ -491,6 +493,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
         break
   finally:
     close_run(bar, mngr, writer)
+  # After the last checkpoint is written; an exception never gets here (the run is unfinished).
+  provenance.record_end(workdir, step,
+                        provenance.stop_reason(step, config.num_train_steps, timed_out))
   return last
 
 
