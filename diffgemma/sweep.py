@@ -96,11 +96,12 @@ def validate_config(config, name: str) -> None:
   try:
     stage.validate_config(config)
   except (KeyError, TypeError, ValueError) as e:
-    raise cli.UserError(f"point {name}: bad config: {cli._one_line(e)}") from None
+    raise cli.UserError(f"point {name}: bad config: {str(e).strip()}".splitlines()[0]) from None
 
 
 def _value_at(flat: dict, key: str):
-  value = flat.get(key, flat)
+  """A flattened config's value at `key` (None when absent)."""
+  value = flat.get(key)
   return tuple(value) if isinstance(value, list) else value
 
 
@@ -206,8 +207,9 @@ def run_jobs(jobs: list[Job], parallel: int, out=print) -> dict[str, int]:
         rc = proc.poll()
         if rc is None:
           continue
-        for f in {id(log): log, id(stdout): stdout}.values():
-          f.close()
+        log.close()
+        if stdout is not log:
+          stdout.close()
         del active[name]
         codes[name] = rc
         minutes = (time.time() - start) / 60
@@ -278,9 +280,11 @@ def eval_job(point: Point, data_path: str, limit: int | None) -> Job | None:
   def on_exit(rc: int) -> str:
     if rc != 0:
       return ""
-    with open(stem + ".out") as f:
-      lines = [l for l in f.read().splitlines() if l.strip()]
-    metrics = json.loads(lines[-1])
+    try:  # eval.py's last line is its metrics
+      with open(stem + ".out") as f:
+        metrics = json.loads(f.read().strip().splitlines()[-1])
+    except (OSError, IndexError, ValueError):
+      return f"no metrics in {stem}.out"
     metrics.pop("step_profile", None)
     metrics["limit"] = limit
     with open(result, "w") as f:

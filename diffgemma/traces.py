@@ -13,6 +13,7 @@ step. From it:
   html_trace / html_trace_text     any task: one row of tokens per step, each token shaded by its
                                    entropy, accepted tokens marked; self-contained HTML
   markdown_trace                   the same as markdown (TensorBoard's text tab)
+  log_sudoku_traces / log_text_traces   write those to TensorBoard (the periodic eval)
   write_sudoku_trace / write_text_trace / check_trace_path   what `sample.py --trace` calls
 
 Shown tokens are each step's argmax (the model's current answer); a renoised position's canvas
@@ -71,8 +72,8 @@ FOOTER_PX = 26
 MARGIN_PX = 8
 WHITE, BLACK = (255, 255, 255), (0, 0, 0)
 GIVEN_BG = (222, 222, 222)
-ACCEPTED_BG = (190, 232, 190)
-ACCEPTED_GIVEN_BG = (170, 205, 170)  # a given whose draw was accepted: still darker
+ACCEPTED_BG = (180, 228, 180)
+ACCEPTED_MARK = (40, 150, 60)  # corner triangle of a given whose draw was accepted
 FILLED_FG = (32, 80, 192)  # digits the model wrote
 WRONG_FG = (214, 39, 40)  # contradicts a given (or the solution, when known)
 DIM = 0.3  # share of the digit colour left in a renoised cell (the rest is background)
@@ -93,7 +94,7 @@ def sudoku_frame(digits_81, puzzle_81, accepted_81, header: str, solution_81=Non
   """The grid after one step, uint8 [H, W, 3].
 
   Givens: grey background, bold black digits. The model's digits: blue. Accepted cells (the
-  draw was kept this step): green background (darker on givens). Renoised cells: digit faded into the
+  draw was kept this step): green background (a given: a green corner). Renoised cells: digit faded into the
   background. Red: a digit that contradicts a given (or `solution_81`, when given). A position
   whose argmax is no digit shows a dot.
   """
@@ -116,9 +117,11 @@ def sudoku_frame(digits_81, puzzle_81, accepted_81, header: str, solution_81=Non
     r, c = divmod(cell, sudoku.SIZE)
     x0, y0 = margin + c * cell_px, top + r * cell_px
     given = puzzle[cell] != sudoku.BLANK
-    bg = ((ACCEPTED_GIVEN_BG if given else ACCEPTED_BG) if accepted[cell]
-          else GIVEN_BG if given else WHITE)
+    bg = GIVEN_BG if given else ACCEPTED_BG if accepted[cell] else WHITE
     draw.rectangle((x0, y0, x0 + cell_px, y0 + cell_px), fill=bg)
+    if given and accepted[cell]:
+      corner = cell_px * 0.3
+      draw.polygon([(x0, y0), (x0 + corner, y0), (x0, y0 + corner)], fill=ACCEPTED_MARK)
     digit = int(digits[cell])
     wrong = (given and digit != puzzle[cell]) or (
         solution is not None and digit != sudoku.BLANK and digit != solution[cell])
@@ -136,11 +139,14 @@ def sudoku_frame(digits_81, puzzle_81, accepted_81, header: str, solution_81=Non
   y = top + side + footer_px // 2 + 2
   x = margin
   square = max(int(cell_px * 0.3), 6)
-  for colour, label in ((ACCEPTED_BG, "accepted"), (GIVEN_BG, "given")):
+  for colour, label in ((ACCEPTED_BG, "accepted"), (GIVEN_BG, "given (corner: accepted)")):
     draw.rectangle((x, y - square // 2, x + square, y + square // 2), fill=colour, outline=BLACK)
+    if colour == GIVEN_BG:
+      draw.polygon([(x, y - square // 2), (x + square // 2, y - square // 2),
+                    (x, y)], fill=ACCEPTED_MARK)
     x += square + 4
     draw.text((x, y), label, fill=BLACK, font=small_font, anchor="lm")
-    x += int(draw.textlength(label, font=small_font)) + 12
+    x += int(draw.textlength(label, font=small_font)) + 10
   draw.text((x, y), "faded: renoised", fill=_blend(BLACK, WHITE, 0.5), font=small_font,
             anchor="lm")
   return np.asarray(image)
@@ -322,6 +328,34 @@ def sudoku_text_trace(trajectory, row: int = 0):
             for s in steps]
   return ([s.label for s in steps], tokens, [s.entropy_C[cells] for s in steps],
           [s.accepted_C[cells] for s in steps])
+
+
+# ----------------------------------------------------------------------------- TensorBoard
+
+
+def log_sudoku_traces(writer, step: int, trajectory, puzzles_Nx81, solutions_Nx81=None,
+                      rows: Sequence[int] = (0,), tag: str = "trace/sudoku") -> None:
+  """Write `sudoku_montage` of each of `rows` (batch rows of `trajectory`, whose puzzles are
+  `puzzles_Nx81[row]`) as one TensorBoard image under `tag` (stacked vertically). `writer`: a
+  tb_writer.SummaryWriter (anything with write_image(step, tag, image))."""
+  images = [sudoku_montage(trajectory, puzzles_Nx81[r], r,
+                           None if solutions_Nx81 is None else solutions_Nx81[r]) for r in rows]
+  width = max(im.shape[1] for im in images)
+  padded = [np.pad(im, ((0, 0), (0, width - im.shape[1]), (0, 0)), constant_values=255)
+            for im in images]
+  writer.write_image(step, tag, np.concatenate(padded, axis=0))
+
+
+def log_text_traces(writer, step: int, trajectory, decode_token: Callable[[int], str],
+                    rows: Sequence[int] = (0,), tag: str = "trace/text",
+                    max_steps: int = 24) -> None:
+  """Write `markdown_trace` of each of `rows` (at most `max_steps` steps each) as one
+  TensorBoard text summary under `tag`. `writer`: anything with write_text(step, tag, text)."""
+  parts = []
+  for r in rows:
+    labels, tokens, _, accepted = text_trace(trajectory, decode_token, r)
+    parts.append(f"**row {r}**\n\n" + markdown_trace(tokens, accepted, labels, max_steps))
+  writer.write_text(step, tag, "\n\n".join(parts))
 
 
 # ----------------------------------------------------------------------------- sample.py

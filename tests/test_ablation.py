@@ -73,12 +73,25 @@ def parse_table(stdout: str):
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-  d = tmp_path_factory.mktemp("sweep")
-  config = d / "tiny_sudoku.py"
-  config.write_text(TINY_CONFIG)
-  root = d / "root"
-  args = ("scripts/sweep.py", f"--config={config}", f"--root={root}", *GRID, "--parallel=2")
+def tiny_config(tmp_path_factory):
+  path = tmp_path_factory.mktemp("config") / "tiny_sudoku.py"
+  path.write_text(TINY_CONFIG)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny_config, tmp_path_factory):
+  """The 2 x 2 sweep, run once; its last point was stopped at step 1 beforehand (as a
+  preemption would), so the sweep resumes it."""
+  root = tmp_path_factory.mktemp("sweep") / "root"
+  partial = run("-c", "import sys; from diffgemma import cli, trainer; trainer.train(cli."
+                "parse_config(sys.argv[1], sys.argv[3:]), sys.argv[2], stop_at=1)", tiny_config,
+                str(root / POINTS[3]), "--config.data.seed=2", "--config.optimizer.lr=3e-3")
+  assert partial.returncode == 0, partial.stderr
+  assert provenance.load_run_info(root / POINTS[3])["invocations"][-1]["stop_reason"] == \
+      provenance.STOP_AT
+  args = ("scripts/sweep.py", f"--config={tiny_config}", f"--root={root}", *GRID,
+          "--parallel=2")
   first = run(*args)
   assert first.returncode == 0, first.stdout + first.stderr
   return args, root, first
@@ -86,12 +99,15 @@ def sweep(tmp_path_factory):
 
 def test_sweep_runs_the_grid_once(sweep):
   args, root, first = sweep
-  assert "4 points" in first.stdout and "4 new" in first.stdout
+  assert "4 points" in first.stdout and "0 finished, 1 to resume, 3 new" in first.stdout
+  assert first.stdout.count("started") == 4 and first.stderr == ""
   assert sorted(os.listdir(root)) == sorted(POINTS + ["compare.png"])
   for name in POINTS:
     workdir = root / name
     done = provenance.finished(workdir)
     assert done["end_step"] == 2 and done["stop_reason"] == provenance.NUM_TRAIN_STEPS
+    starts = [i["start_step"] for i in provenance.load_run_info(workdir)["invocations"]]
+    assert starts == ([0, 1] if name == POINTS[3] else [0])  # the partial point resumed
     config = json.loads((workdir / "config.json").read_text())
     seed, lr = (kv.split("=")[1] for kv in name.split(","))
     assert config["data"]["seed"] == int(seed) and config["optimizer"]["lr"] == float(lr)
@@ -103,7 +119,7 @@ def test_sweep_runs_the_grid_once(sweep):
   assert second.returncode == 0, second.stderr
   assert "4 finished, 0 to resume, 0 new" in second.stdout and "started" not in second.stdout
   for name in POINTS:  # nothing ran: no new invocation, no new event file
-    assert len(provenance.load_run_info(root / name)["invocations"]) == 1
+    assert len(provenance.load_run_info(root / name)["invocations"]) == 1 + (name == POINTS[3])
     assert sorted(os.listdir(root / name / "tensorboard")) == events[name]
   header, rows = parse_table(second.stdout)
   assert header == ["run", "data.seed", "optimizer.lr"] + METRIC_COLUMNS
@@ -111,28 +127,6 @@ def test_sweep_runs_the_grid_once(sweep):
                                    [POINTS[2], "2", "0.001"], [POINTS[3], "2", "0.003"]]
   assert all(r[header.index("steps")] == "2" for r in rows)
   assert Image.open(root / "compare.png").size == (2400, 600)
-
-
-def test_sweep_resumes_an_unfinished_point(sweep, tmp_path):
-  """A point stopped before num_train_steps (here at step 1, as a preemption would) is resumed
-  by the sweep and then finished."""
-  args, _, _ = sweep
-  config, root = args[1].removeprefix("--config="), tmp_path / "root"
-  partial = run("-c", "import sys; from diffgemma import cli, trainer; "
-                "trainer.train(cli.parse_config(sys.argv[1], ['--config.data.seed=1']), "
-                "sys.argv[2], stop_at=1)", config, str(root / "data.seed=1"))
-  assert partial.returncode == 0, partial.stderr
-  assert provenance.load_run_info(root / "data.seed=1")["invocations"][-1]["stop_reason"] == \
-      provenance.STOP_AT
-  resumed = run("scripts/sweep.py", f"--config={config}", f"--root={root}", "--grid",
-                "data.seed=1")
-  assert resumed.returncode == 0, resumed.stderr
-  assert "0 finished, 1 to resume, 0 new" in resumed.stdout
-  assert resumed.stdout.count("started") == 1
-  invocations = provenance.load_run_info(root / "data.seed=1")["invocations"]
-  assert [i["start_step"] for i in invocations] == [0, 1]
-  assert provenance.finished(root / "data.seed=1")["end_step"] == 2
-  assert resumed.stderr == ""
 
 
 def test_compare_runs_table_and_plot(sweep, tmp_path):
@@ -159,13 +153,12 @@ def test_sample_trace_gif_has_a_frame_per_step(sweep, tmp_path):
   assert f"trace: {gif} ({steps} denoising steps)" in r.stdout
 
 
-def test_bad_input_is_one_line_and_starts_nothing(sweep, tmp_path):
-  args, root, _ = sweep
-  config = args[1]
+def test_bad_input_is_one_line_and_starts_nothing(sweep, tiny_config, tmp_path):
+  _, root, _ = sweep
   fresh = tmp_path / "never"
-  one_line_error(run("scripts/sweep.py", config, f"--root={fresh}", "--grid",
+  one_line_error(run("scripts/sweep.py", f"--config={tiny_config}", f"--root={fresh}", "--grid",
                      "optimizer.lrr=1e-3,3e-3"), "unknown config key 'optimizer.lrr'")
-  one_line_error(run("scripts/sweep.py", config, f"--root={fresh}", "--grid",
+  one_line_error(run("scripts/sweep.py", f"--config={tiny_config}", f"--root={fresh}", "--grid",
                      "model.num_layers=2,2.5"), "model.num_layers=2.5", "int")
   assert not fresh.exists()
   not_a_run = tmp_path / "empty"
@@ -183,26 +176,24 @@ def test_bad_input_is_one_line_and_starts_nothing(sweep, tmp_path):
     (["optimizer.lr"], [], "KEY=VALUES"),
     (["model.vocab_size=8"], [], "vocab_size"),  # parses, but train.py would refuse it
 ])
-def test_sweep_plan_rejects(sweep, tmp_path, grid, sets, needle):
+def test_sweep_plan_rejects(tiny_config, tmp_path, grid, sets, needle):
   from diffgemma import cli
   from diffgemma import sweep as sweep_lib
 
-  config = sweep[0][1].removeprefix("--config=")
-  with pytest.raises(cli.UserError, match=None) as e:
-    sweep_lib.plan(config, str(tmp_path / "r"), grid, sets)
+  with pytest.raises(cli.UserError) as e:
+    sweep_lib.plan(tiny_config, str(tmp_path / "r"), grid, sets)
   assert needle in str(e.value) and "\n" not in str(e.value)
   assert not (tmp_path / "r").exists()
 
 
-def test_sweep_refuses_a_root_run_with_other_settings(sweep):
+def test_sweep_refuses_a_root_run_with_other_settings(sweep, tiny_config):
   """A --set value that differs from the one a point was trained with is not silently mixed."""
   from diffgemma import cli
   from diffgemma import sweep as sweep_lib
 
-  args, root, _ = sweep
+  _, root, _ = sweep
   with pytest.raises(cli.UserError, match="was run with batch_size=4"):
-    sweep_lib.plan(args[1].removeprefix("--config="), str(root), list(GRID[1::2]),
-                   ["batch_size=2"])
+    sweep_lib.plan(tiny_config, str(root), list(GRID[1::2]), ["batch_size=2"])
 
 
 # ----------------------------------------------------------------------------- traces (in-process)
@@ -341,6 +332,26 @@ def test_tensorboard_image_and_text_read_back(tmp_path):
   np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(png))), image)
   text = tensor_util.make_ndarray(acc.Tensors("trace/chat")[0].tensor_proto).item()
   assert text.decode().endswith("**hi** |")
+
+
+def test_periodic_eval_traces_reach_tensorboard(sampled, tmp_path):
+  """What the periodic eval writes: a montage image per Sudoku row, a markdown trace of text."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  from tensorboard.util import tensor_util
+
+  out, puzzles, solutions, _ = sampled
+  writer = tb_writer.SummaryWriter(str(tmp_path))
+  traces.log_sudoku_traces(writer, 3, out["trajectory"], puzzles, solutions, rows=(0, 1))
+  traces.log_text_traces(writer, 3, out["trajectory"], str, rows=(1,), max_steps=4)
+  writer.close()
+  acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+  acc.Reload()
+  width, height, _ = tensor_util.make_ndarray(acc.Tensors("trace/sudoku")[0].tensor_proto)
+  montages = [traces.sudoku_montage(out["trajectory"], puzzles[r], r) for r in (0, 1)]
+  assert int(height) == sum(m.shape[0] for m in montages)
+  assert int(width) == max(m.shape[1] for m in montages)
+  text = tensor_util.make_ndarray(acc.Tensors("trace/text")[0].tensor_proto).item().decode()
+  assert text.count("| canvas 1 step") == min(4, out["canvas_steps"][1, 0])
 
 
 def test_provenance_records_invocations(tmp_path, monkeypatch):
