@@ -147,7 +147,8 @@ def differing_keys(runs: list[Run]) -> list[str]:
           if len({repr(run.config.get(k, missing)) for run in runs}) > 1]
 
 
-def _fmt(value) -> str:
+def format_value(value) -> str:
+  """A config value as the table shows it (floats in %g, tuples in parentheses)."""
   if value is None:
     return "-"
   if isinstance(value, bool):
@@ -155,7 +156,7 @@ def _fmt(value) -> str:
   if isinstance(value, float):
     return f"{value:g}"
   if isinstance(value, tuple):
-    return "(" + ", ".join(_fmt(v) for v in value) + ")"
+    return "(" + ", ".join(format_value(v) for v in value) + ")"
   return str(value)
 
 
@@ -165,7 +166,7 @@ def run_labels(runs: list[Run]) -> list[str]:
   keys = differing_keys(runs)
   if not keys:
     return [run.name for run in runs]
-  return [", ".join(f"{k}={_fmt(run.config.get(k))}" for k in keys) for run in runs]
+  return [", ".join(f"{k}={format_value(run.config.get(k))}" for k in keys) for run in runs]
 
 
 def final_and_best(series: Series | None, tag: str) -> tuple[float, float] | None:
@@ -187,7 +188,7 @@ def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
             + [f"{name}: {m}" for name, m in heldout] + ["steps", "minutes", "tokens/s"])
   rows = []
   for run in runs:
-    row = [run.name] + [_fmt(run.config.get(k)) for k in keys]
+    row = [run.name] + [format_value(run.config.get(k)) for k in keys]
     for tag in metrics:
       fb = final_and_best(run.series.get(tag), tag)
       row.append("-" if fb is None else f"{_num(fb[0])} / {_num(fb[1])}")

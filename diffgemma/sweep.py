@@ -115,10 +115,11 @@ def _check_existing(point: Point, keys: list[str], init_from: str | None) -> Non
     saved = compare.flatten(json.load(f))
   wanted = compare.flatten(point.config.to_dict())
   for key in keys:
-    if _value_at(saved, key) != _value_at(wanted, key):
+    old, new = _value_at(saved, key), _value_at(wanted, key)
+    if old != new:
       raise cli.UserError(
-          f"{point.workdir} was run with {key}={compare._fmt(_value_at(saved, key))}, this "
-          f"sweep asks for {compare._fmt(_value_at(wanted, key))}; use another --root")
+          f"{point.workdir} was run with {key}={compare.format_value(old)}, this sweep asks "
+          f"for {compare.format_value(new)}; use another --root")
   if init_from and saved.get("init_from") not in (None, os.path.abspath(init_from)):
     raise cli.UserError(f"{point.workdir} was initialised from {saved['init_from']}, not "
                         f"{init_from}; use another --root")

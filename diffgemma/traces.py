@@ -94,9 +94,9 @@ def sudoku_frame(digits_81, puzzle_81, accepted_81, header: str, solution_81=Non
   """The grid after one step, uint8 [H, W, 3].
 
   Givens: grey background, bold black digits. The model's digits: blue. Accepted cells (the
-  draw was kept this step): green background (a given: a green corner). Renoised cells: digit faded into the
-  background. Red: a digit that contradicts a given (or `solution_81`, when given). A position
-  whose argmax is no digit shows a dot.
+  draw was kept this step): green background (a given: a green corner). Renoised cells: digit
+  faded into the background. Red: a digit that contradicts a given (or `solution_81`, when
+  given). A position whose argmax is no digit shows a dot.
   """
   from PIL import Image, ImageDraw
 

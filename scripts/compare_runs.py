@@ -1,7 +1,7 @@
 """Compare training runs: one table of their differing config keys and eval results, one plot.
 
   python scripts/compare_runs.py runs/a runs/b [runs/c ...] [--out=compare.png]
-  python scripts/compare_runs.py runs/ablate/*            # every point of a sweep
+  python scripts/compare_runs.py runs/ablate/*/           # every point of a sweep
 
 The table has a column per config key whose value differs between the runs (only those), the
 final and best value of each eval metric the runs log (puzzle / cell accuracy or accuracy,

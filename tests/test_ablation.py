@@ -306,7 +306,7 @@ def test_text_trace_covers_every_canvas(tmp_path):
     traces.write_text_trace(str(tmp_path / "t.gif"), trajectory, lambda t: names[t])
 
 
-# ----------------------------------------------------------------------------- TensorBoard, provenance
+# ----------------------------------------------------------------------------- TensorBoard, runs
 
 
 def test_tensorboard_image_and_text_read_back(tmp_path):
