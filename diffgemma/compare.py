@@ -229,6 +229,18 @@ def figure_size_px(runs: list[Run]) -> tuple[int, int]:
   return round(columns * PANEL_W_IN * DPI), round(2 * PANEL_H_IN * DPI)
 
 
+def _style(ax, title: str, xlabel: str, ylabel: str | None = None) -> None:
+  ax.set_title(title, fontsize=9)
+  ax.set_xlabel(xlabel, fontsize=8)
+  if ylabel:
+    ax.set_ylabel(ylabel, fontsize=8)
+  ax.tick_params(labelsize=7)
+  ax.grid(alpha=0.3)
+  for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+    if scale == "linear":  # plain tick labels, never "+4.799e1"-style offsets
+      axis.get_major_formatter().set_useOffset(False)
+
+
 def plot(runs: list[Run], path: str) -> tuple[int, int]:
   """Draw every plotted metric against step (top row) and wall-clock minutes (bottom row), one
   line per run, plus accuracy against TPF (each eval a point, the last one ringed); write a PNG
@@ -257,10 +269,7 @@ def plot(runs: list[Run], path: str) -> tuple[int, int]:
       if tag == LOSS_TAG and all(np.all(r.series[tag].value_N > 0)
                                  for r in runs if tag in r.series):
         ax.set_yscale("log")
-      ax.set_title(tag, fontsize=9)
-      ax.set_xlabel(xlabel, fontsize=8)
-      ax.tick_params(labelsize=7)
-      ax.grid(alpha=0.3)
+      _style(ax, tag, xlabel)
       if j == 0 and row == 0:
         ax.legend(fontsize=6, loc="best")
   if plane is not None:
@@ -276,11 +285,8 @@ def plot(runs: list[Run], path: str) -> tuple[int, int]:
       y = acc.value_N[np.searchsorted(acc.step_N, steps)]
       ax.plot(x, y, color=color, marker="o", markersize=3, linewidth=0.8, label=label)
       ax.plot(x[-1:], y[-1:], color=color, marker="o", markersize=9, fillstyle="none")
-    ax.set_xlabel("tokens per forward (TPF)", fontsize=8)
-    ax.set_ylabel(plane, fontsize=8)
-    ax.set_title(f"{plane.removeprefix('eval/')} vs TPF (ring: last eval)", fontsize=9)
-    ax.tick_params(labelsize=7)
-    ax.grid(alpha=0.3)
+    _style(ax, f"{plane.removeprefix('eval/')} vs TPF (ring: last eval)",
+           "tokens per forward (TPF)", plane)
   fig.tight_layout()
   fig.savefig(path, dpi=DPI)
   plt.close(fig)

@@ -25,8 +25,8 @@ from diffgemma import cli  # noqa: E402
 _CONFIG = flags.DEFINE_string("config", None, "configs/NAME.py, or just NAME.")
 _ROOT = flags.DEFINE_string("root", None, "Directory holding one workdir per point.")
 _GRID = flags.DEFINE_multi_string(
-    "grid", [], "KEY=V1,V2,...: a config key and its values (repeat for more keys; the sweep "
-    "runs the cross product).")
+    "grid", [], "KEY=V1,V2,...: a config key and its values, parsed like --config.KEY=V (no "
+    "value may contain a comma); repeat for more keys: the sweep runs the cross product.")
 _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE applied to every point (repeatable).")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Points trained at the same time.")
 _INIT_FROM = flags.DEFINE_string("init_from", None, "Passed to every train.py (a new run starts "
