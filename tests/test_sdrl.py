@@ -13,6 +13,7 @@ from diffgemma import (
   diffusion,
   losses,
   model,
+  provenance,
   rewards,
   sampler,
   sdrl,
@@ -443,6 +444,9 @@ def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
   sdrl.train(config, resumed, stop_at=2, init_from=sft_dir)
   assert checkpointing.latest_step(resumed) == 2
   sdrl.train(config, resumed)
+  invocations = provenance.load_run_info(resumed)["invocations"]  # run_info.json
+  assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
+      (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
 
   *_, a, _, step_a = trainer.restore_run(straight)  # as eval.py reads a run
   *_, b, _, step_b = trainer.restore_run(resumed)

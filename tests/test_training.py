@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import data, diffusion, losses, model, trainer
+from diffgemma import data, diffusion, losses, model, provenance, trainer
 from diffgemma.config import tiny
 from configs import sft_sudoku
 
@@ -140,6 +140,9 @@ def test_training_resumes_exactly(tmp_path):
   assert 0.0 <= straight_last["eval/cell_accuracy"] <= 1.0
   trainer.train(config, resumed, stop_at=2)
   last = trainer.train(config, resumed)
+  invocations = provenance.load_run_info(resumed)["invocations"]  # run_info.json
+  assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
+      (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
   assert np.isfinite(last["loss"])
   *_, a, _, step_a = trainer.restore_run(straight)
   *_, b, _, step_b = trainer.restore_run(resumed)
