@@ -321,11 +321,14 @@ def text_trace(trajectory, decode_token: Callable[[int], str], row: int = 0):
 
 
 def sudoku_text_trace(trajectory, row: int = 0):
-  """`text_trace` of the grid canvas with digits as tokens ('·' where the argmax is no digit)."""
+  """`text_trace` of the grid canvas with digits as tokens ('·' where the argmax is no digit),
+  each followed by a space, and by '‖' at the end of a grid row."""
   steps = _sudoku_steps(trajectory, row)
   cells = slice(0, data.CANVAS_LEN)
-  tokens = [[str(d) if d else "·" for d in data.tokens_to_digits(s.tokens_C[cells])]
-            for s in steps]
+  ends = ["‖ " if (i + 1) % sudoku.SIZE == 0 and i + 1 < sudoku.NUM_CELLS else ""
+          for i in range(sudoku.NUM_CELLS)]
+  tokens = [[(str(d) if d else "·") + " " + end
+             for d, end in zip(data.tokens_to_digits(s.tokens_C[cells]), ends)] for s in steps]
   return ([s.label for s in steps], tokens, [s.entropy_C[cells] for s in steps],
           [s.accepted_C[cells] for s in steps])
 
