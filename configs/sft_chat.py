@@ -121,5 +121,5 @@ def get_config(variant: str = "count"):
 
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=1000, num_examples=64, batch_size=64, metric="exact", answer_regex="",
-      seed=12345))
+      seed=12345, trace_examples=2))  # trace_examples: denoising traces drawn in TensorBoard
   return c

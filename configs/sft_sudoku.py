@@ -70,5 +70,6 @@ def get_config():
 
   # Periodic evaluation on held-out generated puzzles (seed differs from training data).
   c.eval = ml_collections.ConfigDict(dict(
-      every_steps=650, num_puzzles=64, min_givens=38, max_givens=46, seed=12345, batch_size=64))
+      every_steps=650, num_puzzles=64, min_givens=38, max_givens=46, seed=12345, batch_size=64,
+      trace_examples=2))  # denoising traces of the first examples, drawn in TensorBoard
   return c

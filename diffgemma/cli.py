@@ -50,13 +50,11 @@ def fail(message: str, code: int = 2):
   sys.exit(code)
 
 
-def parse_flags_or_fail(argv: list[str]) -> list[str]:
-  """Parse absl flags, turning any flag/config-override problem into a one-line error."""
-  try:
-    return flags.FLAGS(resolve_config_argv(argv))
-  except flags.Error as e:
-    fail(str(e).splitlines()[0])
-  except (KeyError, AttributeError) as e:
+def _flag_error_message(e: Exception, argv: list[str]) -> str:
+  """One line for an error absl or ml_collections raised while parsing `argv`."""
+  if isinstance(e, flags.Error):
+    return str(e).splitlines()[0]
+  if isinstance(e, (KeyError, AttributeError)):
     # ml_collections reports an unknown override key as AttributeError(KeyError("'key'...")),
     # sometimes followed by a "Did you mean" hint.
     text = str(e.args[0]) if e.args else ""
@@ -65,10 +63,35 @@ def parse_flags_or_fail(argv: list[str]) -> list[str]:
     overrides = [a.split("=")[0][len("--config."):] for a in argv if a.startswith("--config.")]
     culprit = next((o for o in overrides if o.split(".")[-1] == key), key)
     hint = re.search(r'Did you mean "(\w+)"', text)
-    fail(f"unknown config key {culprit!r}" +
-         (f" (did you mean {hint.group(1)!r}?)" if hint else "; see the config file for the keys"))
-  except (KeyError, AttributeError, ValueError, TypeError) as e:
-    fail(_one_line(e))
+    return (f"unknown config key {culprit!r}" +
+            (f" (did you mean {hint.group(1)!r}?)" if hint
+             else "; see the config file for the keys"))
+  return _one_line(e)
+
+
+def parse_flags_or_fail(argv: list[str]) -> list[str]:
+  """Parse absl flags, turning any flag/config-override problem into a one-line error."""
+  try:
+    return flags.FLAGS(resolve_config_argv(argv))
+  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+    fail(_flag_error_message(e, argv))
+
+
+def parse_config(config_path: str, overrides: list[str]):
+  """The ConfigDict that `--config=config_path` plus `overrides` (["--config.KEY=VALUE", ...])
+  give train.py, parsed by the same ml_collections flag machinery (values typed by the
+  config's fields); any problem is a UserError with the one line train.py would print."""
+  from ml_collections import config_flags
+
+  argv = ["parse_config", f"--config={config_path}", *overrides]
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
+                                           sys_argv=argv)
+  try:
+    values(argv)
+  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+    raise UserError(_flag_error_message(e, argv)) from None
+  return holder.value
 
 
 def _one_line(e: BaseException) -> str:

@@ -22,6 +22,7 @@ from diffgemma import (
   errors,
   evaluation,
   lora,
+  provenance,
   run_config,
   run_state,
   sampler,
@@ -30,7 +31,7 @@ from diffgemma import (
 )
 from diffgemma.tasks import make_task
 from diffgemma.tasks.base import Task
-from diffgemma.tb_writer import ScalarWriter
+from diffgemma.tb_writer import SummaryWriter
 
 
 class NonFiniteError(errors.RunStopped):
@@ -100,11 +101,18 @@ def eval_params(state, frozen, lora_cfg: lora.LoraConfig):
 
 
 def evaluate_and_log(step, params, task: Task, model_cfg, sampler_cfg, prompts, batch_size,
-                     generate_fn, writer) -> dict[str, float]:
-  """The periodic held-out evaluation: written to TensorBoard, printed above the progress bar
-  (with the task's warning when the metrics look unhealthy), returned as eval/* metrics."""
+                     generate_fn, writer, trace_fn=None, trace_rows: int = 0) -> dict[str, float]:
+  """The periodic held-out evaluation: written to TensorBoard (with the denoising traces of the
+  first `trace_rows` examples, drawn by `trace_fn`, a trajectory-recording sampler), printed
+  above the progress bar (with the task's warning when the metrics look unhealthy), returned as
+  eval/* metrics."""
   metrics, _ = evaluation.evaluate(task, params, model_cfg, sampler_cfg, prompts, batch_size,
                                    seed=step, generate_fn=generate_fn)
+  if trace_fn is not None and trace_rows:
+    shown = prompts.take(slice(0, trace_rows))
+    out = jax.device_get(trace_fn(params, shown.prompt_NxP, shown.valid_NxP,
+                                  jax.random.PRNGKey(step)))
+    task.log_traces(writer, step, shown, out["trajectory"], rows=range(len(shown)))
   shown = [f"{k}={v:.3f}" for k, v in metrics.items() if k.endswith("accuracy")]
   tqdm.write(f"step {step}: eval {' '.join(shown)} TPF={metrics['tokens_per_forward']:.2f} "
              f"steps/canvas={metrics['steps_per_canvas']:.1f}")
@@ -166,6 +174,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
       print(f"initialising from {init_from}")
     state, frozen = run_state.new_state(config, setup, init_from)
     checkpointing.save_config(workdir, config)
+  provenance.record_start(workdir, start_step)  # run_info.json: this invocation's provenance
   model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg
   trained = sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))
   if frozen is None:
@@ -182,11 +191,14 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
   update_step = trainer.make_update_step(
       setup, stage.loss_fn, state_sh, frozen_sh,
       trainer.batch_shardings(setup, stage.batch_shapes()), stage.update_stream)
-  writer = ScalarWriter(os.path.join(workdir, "tensorboard"))
+  writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
   eval_cfg = config.eval
   eval_prompts = task.eval_prompts() if eval_cfg.every_steps > 0 else None
   eval_sampler_cfg = run_config.sampler_config(config, task.stop_token_ids)
   generate_fn = sampler.make_generate_fn(model_cfg, eval_sampler_cfg)
+  trace_rows = min(eval_cfg.get("trace_examples", 0), len(eval_prompts or ()))
+  trace_fn = (sampler.make_generate_fn(model_cfg, eval_sampler_cfg.replace(record_trajectory=True))
+              if trace_rows else None)
   stage.start(state, frozen, start_step)
 
   def checkpoint(step):
@@ -201,7 +213,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
   window_start, window_steps = time.perf_counter(), 0
   bar = tqdm(total=train_cfg.num_train_steps, initial=start_step, desc=stage.name, unit="step",
              dynamic_ncols=True)
-  step = start_step
+  step, timed_out = start_step, False
   try:
     while step < train_cfg.num_train_steps:
       batch, new_host_metrics = stage.next_batch(step, state, frozen)
@@ -230,7 +242,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
       if eval_prompts is not None and (step % eval_cfg.every_steps == 0 or final or stopping):
         last.update(evaluate_and_log(step, eval_params(state, frozen, lora_cfg), task, model_cfg,
                                      eval_sampler_cfg, eval_prompts, eval_cfg.batch_size,
-                                     generate_fn, writer))
+                                     generate_fn, writer, trace_fn, trace_rows))
         window_start, window_steps = time.perf_counter(), 0  # eval time is not throughput
       if boundary and (step % train_cfg.checkpoint_every == 0 or final or stopping):
         checkpoint(step)
@@ -245,4 +257,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
     mngr.wait_until_finished()
     mngr.close()
     writer.close()
+  provenance.record_end(workdir, step, provenance.stop_reason(step, train_cfg.num_train_steps,
+                                                              timed_out))
   return last

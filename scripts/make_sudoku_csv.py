@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from diffgemma import sudoku  # noqa: E402
+from diffgemma.tasks import sudoku_puzzles as sudoku  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", None, "Output CSV path.", required=True)
 _NUM = flags.DEFINE_integer("num", 300, "Number of puzzles.")

@@ -16,6 +16,7 @@ from diffgemma import (
   lora,
   losses,
   model,
+  provenance,
   rewards,
   run_config,
   run_state,
@@ -466,6 +467,9 @@ def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
   train_loop.train(config, resumed, stop_at=2, init_from=sft_dir)
   assert checkpointing.latest_step(resumed) == 2
   train_loop.train(config, resumed)
+  invocations = provenance.load_run_info(resumed)["invocations"]  # run_info.json
+  assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
+      (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
 
   *_, a, _, step_a = run_state.restore_run(straight)
   *_, b, _, step_b = run_state.restore_run(resumed)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import diffusion, losses, model, run_state, train_loop
+from diffgemma import diffusion, losses, model, provenance, run_state, train_loop
 from diffgemma.tasks import Layout
 from diffgemma.tasks import sudoku as data
 from diffgemma.config import tiny
@@ -143,6 +143,9 @@ def test_training_resumes_exactly(tmp_path):
   assert 0.0 <= straight_last["eval/cell_accuracy"] <= 1.0
   train_loop.train(config, resumed, stop_at=2)
   last = train_loop.train(config, resumed)
+  invocations = provenance.load_run_info(resumed)["invocations"]  # run_info.json
+  assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
+      (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
   assert np.isfinite(last["loss"])
   *_, a, _, step_a = run_state.restore_run(straight)
   *_, b, _, step_b = run_state.restore_run(resumed)
