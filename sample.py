@@ -47,9 +47,9 @@ _TRACE = flags.DEFINE_string(
 
 def main(argv):
   del argv
-  if _INIT_FROM.value is not None and _WORKDIR.value is not None:
-    raise cli.UserError("choose a checkpoint (--init_from) or a training run (--workdir), not "
-                        "both")
+  if _INIT_FROM.value is not None and (_WORKDIR.value is not None or _PUZZLE.value is not None):
+    raise cli.UserError("choose a checkpoint (--init_from, --prompt) or a training run "
+                        "(--workdir, --prompt or --puzzle), not both")
   if _TRACE.value and _INIT_FROM.value is not None:
     from diffgemma import traces
 

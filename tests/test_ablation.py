@@ -150,7 +150,7 @@ def test_sample_trace_gif_has_a_frame_per_step(sweep, tmp_path):
   gif = tmp_path / "trace.gif"
   r = run("sample.py", f"--workdir={root / POINTS[1]}", f"--puzzle={PUZZLE}", f"--trace={gif}")
   assert r.returncode == 0, r.stderr
-  steps = int(r.stdout.split("final grid after ")[1].split(" steps")[0])
+  steps = int(r.stdout.split("final reply after ")[1].split(" denoising steps")[0])
   assert Image.open(gif).n_frames == steps
   assert f"trace: {gif} ({steps} denoising steps)" in r.stdout
 

@@ -309,7 +309,6 @@ class SudokuTask(Task):
     given = puzzles != sudoku.BLANK
     correct = grids == solutions
     metrics = {
-        "accuracy": float(np.mean(solved)),
         "puzzle_accuracy": float(np.mean(solved)),
         "cell_accuracy": float(sudoku.cell_accuracy(puzzles, grids, solutions)),
         # The early-warning pair: a run on the copy-the-givens plateau gets the givens right
