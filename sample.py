@@ -166,6 +166,9 @@ def sample_sudoku():
   from diffgemma import sudoku
 
   puzzle = sudoku.parse_puzzle_string(_PUZZLE.value)  # validate before loading anything heavy
+  if sudoku.solve(puzzle) is None:  # givens that conflict only through the other cells
+    raise cli.UserError("puzzle has no solution: no grid completes its givens; check the "
+                        "--puzzle string")
   import jax
   import numpy as np
 

@@ -73,7 +73,10 @@ def main(argv):
     report = trainer.dry_run(_CONFIG.value, init_from=_INIT_FROM.value)
     print(trainer.format_dry_run(report, _CONFIG.value))
     return
-  stage.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value)
+  # The keys set on the command line: on resume, only they can change an --init_from run's
+  # architecture (see resume_config.reconcile).
+  overridden = set(config_flags.get_override_values(flags.FLAGS["config"]))
+  stage.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value, overridden=overridden)
 
 
 if __name__ == "__main__":

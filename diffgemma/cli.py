@@ -1,7 +1,14 @@
-"""Shared command-line plumbing: `--config=NAME` resolution and one-line user errors."""
+"""Shared command-line plumbing: `--config=NAME` resolution and one-line user errors.
+
+Library chatter is kept off the terminal: orbax logs every failed background write (with its
+traceback) before the error reaches us, and its asyncio threads print "Event loop is closed"
+while a failed process exits. `run` drops those (set DIFFGEMMA_LIBRARY_LOGS=1 to see them), so
+a failure is the one `error:` line.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -76,18 +83,55 @@ def _one_line(e: BaseException) -> str:
   return (text[0] if text else type(e).__name__)
 
 
+class _LibraryLogFilter(logging.Filter):
+  """Drops log records of the checkpoint library below CRITICAL."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.CRITICAL or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def quiet_library_logs() -> None:
+  if os.environ.get("DIFFGEMMA_LIBRARY_LOGS"):
+    return
+  log_filter = _LibraryLogFilter()
+  for logger in (logging.getLogger(), logging.getLogger("absl")):
+    logger.addFilter(log_filter)
+    for handler in logger.handlers:
+      handler.addFilter(log_filter)
+
+
+def _quiet_exit() -> None:
+  """Past the error line, exceptions that background threads raise while the interpreter
+  shuts down (orbax's event loops after a failed write) are not the user's business."""
+  if not os.environ.get("DIFFGEMMA_LIBRARY_LOGS"):
+    sys.unraisablehook = lambda unraisable: None
+
+
 def run(main, argv=None):
   """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2)."""
   # local: keep flag parsing light
-  from diffgemma import checkpointing, hf_weights, safetensors_io, sudoku, tokenizer
+  from diffgemma import (
+    checkpointing,
+    hf_weights,
+    resume_config,
+    run_guard,
+    safetensors_io,
+    sudoku,
+    tokenizer,
+    workdir_lock,
+  )
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv))
+  quiet_library_logs()
   user_errors = (UserError, sudoku.SudokuDataError, checkpointing.CheckpointError,
                  hf_weights.WeightMappingError, safetensors_io.CheckpointFormatError,
-                 tokenizer.TokenizerError)
+                 tokenizer.TokenizerError, workdir_lock.WorkdirLockError,
+                 resume_config.ResumeConfigError, run_guard.RunFailure)
   try:
     main(argv)
   except user_errors as e:
+    _quiet_exit()
     fail(_one_line(e))
   except KeyboardInterrupt:
+    _quiet_exit()
     fail("interrupted", code=130)

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from diffgemma import diffusion, model
 from diffgemma.config import ModelConfig
 
+DECODER_WEIGHTINGS = ("flat", "inverse_t")
+
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
@@ -86,7 +88,8 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, batch, rng):
   if loss_cfg.decoder_weighting == "inverse_t":
     ce_BxC = ce_BxC / t_B[:, None]
   elif loss_cfg.decoder_weighting != "flat":
-    raise ValueError(f"unknown decoder_weighting {loss_cfg.decoder_weighting!r}")
+    raise ValueError(f"unknown decoder_weighting {loss_cfg.decoder_weighting!r}; choose one of "
+                     f"{DECODER_WEIGHTINGS}")
   decoder_loss = masked_mean(ce_BxC, target_mask_BxC)
   correct = (jnp.argmax(logits, -1) == clean_BxC)
   metrics["decoder_loss"] = decoder_loss

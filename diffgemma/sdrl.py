@@ -42,14 +42,17 @@ from tqdm import tqdm
 
 from diffgemma import (
   checkpointing,
+  config_checks,
   data,
   diffusion,
   losses,
   model,
   rewards,
+  run_guard,
   sampler,
   sudoku,
   trainer,
+  workdir_lock,
 )
 from diffgemma.config import ModelConfig
 from diffgemma.tb_writer import ScalarWriter
@@ -514,25 +517,31 @@ def _load_reference(config, cfg: SdrlConfig):
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None = None,
-          init_from: str | None = None) -> dict:
+          init_from: str | None = None, overridden=None) -> dict:
   """Run (or resume) SD·RL in `workdir`, starting a new run from `init_from`'s parameters.
 
   Mirrors `trainer.train`: `stop_at` ends this invocation at that step (rounded up to the end of
   its rollout) with a checkpoint, as a preemption would; `max_train_minutes` stops likewise.
   Returns the last logged metrics.
   """
-  config = ml_collections.ConfigDict(config.to_dict())  # adopting an architecture edits it
-  start_step = checkpointing.latest_step(workdir)
-  if start_step is None and not init_from:
+  config_checks.validate_run_config(config)
+  if checkpointing.latest_step(workdir) is None and not init_from:
     raise checkpointing.CheckpointError(
         "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")
-  os.makedirs(workdir, exist_ok=True)
-  mngr = checkpointing.manager(workdir, keep=config.keep_checkpoints)
+  with workdir_lock.hold(workdir, enabled=jax.process_index() == 0):
+    return _train(config, workdir, stop_at, init_from, overridden)
+
+
+def _train(config, workdir, stop_at, init_from, overridden) -> dict:
+  config = ml_collections.ConfigDict(config.to_dict())  # adopting an architecture edits it
+  start_step = checkpointing.latest_step(workdir)
   if start_step is not None:
     # The SFT trainer's state layout, so eval.py and sample.py read SD·RL runs unchanged.
-    config, _, state, _, start_step = trainer.restore_run(workdir, config)
+    config, changes = trainer.resume_with(workdir, config, overridden)
+    config, _, state, _, start_step = trainer.restore_run(workdir, config, move_damaged=True)
     print(f"resumed from step {start_step} in {workdir}" +
           (" (--init_from applies only to a new run)" if init_from else ""))
+    trainer.record_resume_changes(workdir, config, changes, start_step)
   else:
     start_step = 0
     print(f"initialising from {init_from}")
@@ -542,6 +551,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
     validate_config(config)
     state = trainer.init_state(config, trainer.make_setup(config), params)
     checkpointing.save_config(workdir, config)
+  # After the restore: damaged steps it moved aside must not be in the manager's step list.
+  mngr = checkpointing.manager(workdir, keep=config.keep_checkpoints)
   # Committed like the update's outputs (a fresh state's scalars are not), so each jitted
   # function compiles once.
   state = jax.jit(lambda state: state, donate_argnums=0)(state)
@@ -596,7 +607,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
       jax.block_until_ready(batch)
       t_states = time.perf_counter()
       for _ in range(n_updates):
-        anchor_batch = next(anchor_batches) if anchor_batches is not None else None
+        anchor_batch = (run_guard.next_batch(anchor_batches, step + 1, workdir)
+                        if anchor_batches is not None else None)
         state, metrics = update_step(state, model_cfg, cfg, loss_cfg, optimizer, batch,
                                      reference_params, anchor_batch)
         step += 1
@@ -637,6 +649,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
         tqdm.write(f"stopping at step {step}: max_train_minutes={config.max_train_minutes} reached")
       if stopping:
         break
-  finally:
-    trainer.close_run(bar, mngr, writer)
+  except BaseException:  # the loop's own error is the one the user sees
+    trainer.close_run(bar, mngr, writer, failed=True)
+    raise
+  trainer.close_run(bar, mngr, writer)
   return last

@@ -17,14 +17,18 @@ from tqdm import tqdm
 from diffgemma import (
   checkpoint_io,
   checkpointing,
+  config_checks,
   data,
   evaluation,
   lora,
   losses,
   model,
+  resume_config,
+  run_guard,
   sampler,
   sharding,
   sudoku,
+  workdir_lock,
 )
 from diffgemma.config import NUMERICS_FIELDS, ModelConfig
 from diffgemma.tb_writer import ScalarWriter
@@ -44,6 +48,7 @@ def sampler_config(config: ml_collections.ConfigDict) -> sampler.SamplerConfig:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Build every typed piece of a config once, so a bad value fails before any work starts."""
+  config_checks.validate_run_config(config)  # types, ranges, enums: one line each
   model_config(config), loss_config(config), sampler_config(config)
   lora_config(config), sharding_config(config)
   if config.batch_size % config.get("grad_accum_steps", 1):
@@ -295,12 +300,17 @@ def deadline(config) -> float | None:
   return time.time() + 60 * config.max_train_minutes if config.max_train_minutes > 0 else None
 
 
-def close_run(bar, mngr, writer):
-  """End of an SFT or SD·RL loop: the progress bar, pending checkpoint writes, TensorBoard."""
+def close_run(bar, mngr, writer, failed: bool = False):
+  """End of an SFT or SD·RL loop: the progress bar, pending checkpoint writes, TensorBoard.
+
+  `failed`: an error is on its way out; closing must not replace it with a second one."""
   bar.close()
-  mngr.wait_until_finished()
-  mngr.close()
-  writer.close()
+  checkpointing.finish(mngr, failed=failed)  # write errors: one line
+  try:
+    writer.close()
+  except Exception:
+    if not failed:
+      raise
 
 
 def evaluate_and_log(step, params, model_cfg: ModelConfig, sampler_cfg, config, eval_set,
@@ -338,10 +348,12 @@ def load_frozen_base(config, setup: Setup):
                              dtype=setup.lora_cfg.base_dtype)
 
 
-def restore_run(workdir: str, config=None):
-  """(config, setup, state, frozen, step) of a workdir's latest checkpoint (CheckpointError if
-  there is none). A LoRA run's base comes from the checkpoint when it was saved there (
-  lora.save_base), else from the run's init_from."""
+def restore_run(workdir: str, config=None, move_damaged: bool = False):
+  """(config, setup, state, frozen, step) of a workdir's newest readable checkpoint
+  (CheckpointError if there is none). A LoRA run's base comes from the checkpoint when it was
+  saved there (lora.save_base), else from the run's init_from. `move_damaged` (a trainer
+  holding the workdir's lock): unreadable newer steps are moved aside (see
+  checkpointing.restore_latest); readers leave them."""
   saved = checkpointing.load_config(workdir)
   config = ml_collections.ConfigDict((config or saved).to_dict())
   adopt_architecture(config, model_config(saved))
@@ -349,8 +361,7 @@ def restore_run(workdir: str, config=None):
     with config.unlocked():
       config.init_from = saved.init_from  # where a LoRA run's base lives
   setup = make_setup(config)
-  step = checkpointing.latest_step(workdir)
-  if step is None:
+  if checkpointing.latest_step(workdir) is None:
     raise checkpointing.CheckpointError(
         f"no checkpoint in {checkpointing.checkpoint_dir(workdir)!r} (train first, or check "
         "--workdir)")
@@ -365,8 +376,8 @@ def restore_run(workdir: str, config=None):
           sharding.tree_shardings(base_shape, setup.mesh, setup.rules))
     else:
       frozen = load_frozen_base(config, setup)
-  with checkpointing.manager(workdir, read_only=True) as mngr:
-    state = checkpointing.restore(mngr, step, target)
+  # the newest readable step; damaged newer ones are reported (and moved aside).
+  state, step = checkpointing.restore_latest(workdir, target, move_damaged=move_damaged)
   if "base" in state:
     frozen = state.pop("base")
   return config, setup, state, frozen, int(step)
@@ -386,22 +397,55 @@ def _dtype_name(params) -> str:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None = None,
-          init_from: str | None = None) -> dict:
+          init_from: str | None = None, overridden=None) -> dict:
   """Train (or resume) in `workdir`; returns the last logged metrics.
 
   `stop_at` ends this invocation early at that step (with a checkpoint), as a preemption would;
   the schedule still spans `num_train_steps`, so rerunning resumes the same run. `init_from`
   starts a new run from a checkpoint directory's parameters (see `load_initial_params`); a LoRA
-  run (lora.enabled) trains adapters on that base.
+  run (lora.enabled) trains adapters on that base. `overridden`: the config keys set on the
+  command line (see resume_config.reconcile). One trainer per workdir (workdir_lock).
   """
+  config_checks.validate_run_config(config)  # before anything is written
+  with workdir_lock.hold(workdir, enabled=jax.process_index() == 0):
+    return _train(config, workdir, stop_at, init_from, overridden)
+
+
+def resume_with(workdir: str, config: ml_collections.ConfigDict, overridden=None):
+  """The config a resumed run continues with: the saved one plus the requested
+  changes that are safe on resume (resume_config.reconcile: ResumeConfigError otherwise), and
+  those changes, {key: [old, new]}."""
+  merged, changes = resume_config.reconcile(checkpointing.load_config(workdir), config,
+                                            overridden, workdir)
+  if changes:
+    try:
+      validate_config(merged)
+    except (KeyError, TypeError, ValueError) as e:
+      raise resume_config.ResumeConfigError(f"bad config after the resume changes: {e}") from None
+  return merged, changes
+
+
+def record_resume_changes(workdir: str, config, changes, step: int) -> None:
+  """Print the applied changes; rewrite config.json; append them to the history."""
+  if not changes:
+    return
+  print(f"changed on resume at step {step} (recorded in {resume_config.HISTORY_FILE}):")
+  for line in resume_config.describe(changes, config):
+    print(line)
+  checkpointing.save_config(workdir, config)
+  resume_config.record(workdir, step, changes)
+
+
+def _train(config, workdir, stop_at, init_from, overridden) -> dict:
   config = ml_collections.ConfigDict(config.to_dict())  # adopting an architecture edits it
-  os.makedirs(workdir, exist_ok=True)
   start_step = checkpointing.latest_step(workdir)
   if start_step is not None:
     # The architecture is the run's, as saved when it started (possibly from --init_from).
-    config, setup, state, frozen, start_step = restore_run(workdir, config)
+    config, changes = resume_with(workdir, config, overridden)
+    config, setup, state, frozen, start_step = restore_run(workdir, config, move_damaged=True)
     print(f"resumed from step {start_step} in {workdir}" +
           (" (--init_from applies only to a new run)" if init_from else ""))
+    record_resume_changes(workdir, config, changes, start_step)
   else:
     start_step = 0
     mesh = sharding.make_mesh(sharding_config(config))
@@ -459,7 +503,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   step = start_step
   try:
     while step < config.num_train_steps:
-      batch = sharding.global_batch(next(batches), setup.mesh, setup.rules)
+      batch = sharding.global_batch(run_guard.next_batch(batches, step + 1, workdir),
+                                    setup.mesh, setup.rules)
       state, metrics = train_step(state, frozen, batch)
       step += 1
       window_steps += 1
@@ -489,8 +534,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
         tqdm.write(f"stopping at step {step}: max_train_minutes={config.max_train_minutes} reached")
       if stopping:
         break
-  finally:
-    close_run(bar, mngr, writer)
+  except BaseException:  # the loop's own error is the one the user sees
+    close_run(bar, mngr, writer, failed=True)
+    raise
+  close_run(bar, mngr, writer)
   return last
 
 

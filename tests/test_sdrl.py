@@ -35,6 +35,7 @@ def tiny_configs():
   config = sdrl_sudoku.get_config()
   config.update({key: sft[key] for key in ("model", "data", "eval")})
   config.update({"num_train_steps": 4, "checkpoint_every": 2, "log_every": 1})
+  config.optimizer.warmup_steps = 2  # within the 4 steps (validation refuses warmup > steps)
   config.sdrl.update({"group_size": 2, "prompts_per_rollout": 2, "updates_per_rollout": 2,
                       "states_per_trajectory": 2, "anchor": "none"})
   config.sdrl.reward.partial_credit = "cells"
