@@ -167,12 +167,13 @@ def save(mngr, step: int, state) -> None:
   workdir = _workdir_of(mngr)
   bad = non_finite_leaves(state)
   if bad:
+    _settle(mngr)
     last = latest_step(workdir)
     raise NonFiniteStateError(
         f"refusing to save step {step}: {len(bad)} arrays hold NaN or inf (first "
         f"{bad[0]}); the run diverged. Last finite checkpoint: "
         + (f"step {last} in {checkpoint_dir(workdir)}" if last is not None else "none"))
-  with _write_errors(workdir):
+  with _write_errors(mngr, step):
     mngr.save(step, args=ocp.args.StandardSave(state))
 
 
@@ -180,7 +181,7 @@ def finish(mngr, failed: bool = False) -> None:
   """Wait for pending saves and close the manager. With `failed` (an error is already on its
   way out), a second write error is dropped so the first one is what the user sees."""
   try:
-    with _write_errors(_workdir_of(mngr)):
+    with _write_errors(mngr):
       mngr.wait_until_finished()
       mngr.close()
   except CheckpointWriteError:
@@ -206,11 +207,19 @@ def _short(e: BaseException) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def _settle(mngr) -> None:
+  """Let the saves still in flight finish (or fail) before naming the last complete step."""
+  try:
+    mngr.wait_until_finished()
+  except Exception:  # noqa: BLE001 -- its own failure is reported by whoever waits next
+    pass
+
+
 class _write_errors:
   """Turn any failure of an orbax write into one CheckpointWriteError line."""
 
-  def __init__(self, workdir: str):
-    self.workdir = workdir
+  def __init__(self, mngr, step: int | None = None):
+    self.mngr, self.step = mngr, step
 
   def __enter__(self):
     return self
@@ -218,12 +227,15 @@ class _write_errors:
   def __exit__(self, kind, e, tb):
     if e is None or not isinstance(e, Exception) or isinstance(e, CheckpointError):
       return False
-    directory = checkpoint_dir(self.workdir)
+    workdir = _workdir_of(self.mngr)
+    directory = checkpoint_dir(workdir)
     pending = sorted({int(m) for m in re.findall(r"/(\d+)\.orbax-checkpoint-tmp", str(e))}
                      or {int(n.split(".")[0]) for n in _listdir(directory)
                          if ".orbax-checkpoint-tmp" in n and n.split(".")[0].isdigit()})
-    what = (f"checkpoint step {pending[-1]}" if pending else "a checkpoint")
-    last = latest_step(self.workdir)
+    step = pending[-1] if pending else self.step
+    what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+    _settle(self.mngr)
+    last = latest_step(workdir)
     raise CheckpointWriteError(
         f"could not write {what} in {directory}: {describe_os_error(e)}; the last complete "
         "checkpoint is " + (f"step {last}" if last is not None else "none")
@@ -291,14 +303,19 @@ def _is_out_of_memory(e: BaseException) -> bool:
 def move_aside(workdir: str, step: int) -> str:
   """Rename a damaged step out of checkpoints/ (orbax no longer sees it); returns its path."""
   target_dir = os.path.join(os.path.abspath(workdir), DAMAGED_DIR)
-  os.makedirs(target_dir, exist_ok=True)
   stamp = time.strftime("%Y%m%dT%H%M%S")
   target = os.path.join(target_dir, f"{step}-{stamp}")
   n = 1
   while os.path.exists(target):
     n += 1
     target = os.path.join(target_dir, f"{step}-{stamp}-{n}")
-  os.rename(os.path.join(checkpoint_dir(workdir), str(step)), target)
+  try:
+    os.makedirs(target_dir, exist_ok=True)
+    os.rename(os.path.join(checkpoint_dir(workdir), str(step)), target)
+  except OSError as e:
+    raise CheckpointError(f"checkpoint step {step} cannot be read, and moving it to {target} "
+                          f"failed ({e.strerror or e}); move it out of {checkpoint_dir(workdir)} "
+                          "by hand") from None
   return target
 
 
@@ -324,12 +341,13 @@ def restore_latest(workdir: str, abstract_state, move_damaged: bool = False,
   """(state, step) of the newest readable checkpoint of `workdir`.
 
   A step that cannot be read (truncated or missing files, any orbax/tensorstore read error) is
-  reported in one line and the next older one is tried. Once one restores, the run continues
-  from it; with `move_damaged` (a trainer, holding the workdir's lock) the unreadable newer
-  steps are first moved to damaged_checkpoints/ (never deleted), so they are neither resumed
-  from nor counted by keep_checkpoints; readers (eval, sampling) leave the workdir as it is.
-  Raises CheckpointError (one line) if there is no checkpoint, or if none can be restored (a
-  damaged run, or a state that does not fit the config): nothing is moved then.
+  skipped for the next older one. Once one restores, each skipped step is reported in one line
+  (`log`) and the run continues from the restored one; with `move_damaged` (a trainer, holding
+  the workdir's lock) the skipped steps are moved to damaged_checkpoints/ (never deleted), so
+  they are neither resumed from nor counted by keep_checkpoints; readers (eval, sampling) leave
+  the workdir as it is. Raises CheckpointError (one line, naming every step's problem) if there
+  is no checkpoint, or if none can be restored (a damaged run, or a state that does not fit the
+  config): nothing is moved then.
   """
   steps = steps_on_disk(workdir)
   directory = checkpoint_dir(workdir)
@@ -345,16 +363,17 @@ def restore_latest(workdir: str, abstract_state, move_damaged: bool = False,
         raise CheckpointError(f"restoring checkpoint step {step} ran out of memory: "
                               f"{_short(e)}") from None
       failed.append((step, e))
-      log(f"warning: checkpoint step {step} in {directory} cannot be read ({_short(e)})")
       continue
-    for bad, _ in failed:
+    for bad, e in failed:
+      log(f"warning: checkpoint step {bad} in {directory} cannot be read ({_short(e)})")
       if move_damaged:
         log(f"moved damaged checkpoint step {bad} to {move_aside(workdir, bad)}")
     if failed:
       log(f"using checkpoint step {step}, the newest readable one")
     return state, step
-  reasons = "; ".join(f"step {step}: {_mismatch(workdir, step, abstract_state) or type(e).__name__}"
-                      for step, e in failed)
+  with _quiet_read_failures():
+    reasons = "; ".join(f"step {step}: {_mismatch(workdir, step, abstract_state) or _short(e)}"
+                        for step, e in failed)
   raise CheckpointError(
       f"no checkpoint in {directory} can be restored ({reasons}); nothing was moved. If the "
       "config differs from the run's, use the run's; if the files are damaged, move them aside "

@@ -22,6 +22,7 @@ A resumed run is then no longer bitwise equal to an uninterrupted run of either 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fnmatch
 import json
@@ -74,6 +75,20 @@ def _normal(value):
   return value  # 1000.0 == 1000 already
 
 
+def canonical(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """flatten(config) with the model section as ModelConfig resolves it (an empty layer_types
+  is the default pattern, spelled out), so equal models compare equal however written."""
+  tree = config.to_dict()
+  if isinstance(tree.get("model"), dict):
+    from diffgemma.config import ModelConfig  # local: a light module, kept out of the import
+
+    try:
+      tree["model"] = dataclasses.asdict(ModelConfig(**tree["model"]))
+    except (TypeError, ValueError):
+      pass  # not a model this code can build: compare as written
+  return flatten(tree)
+
+
 def is_safe(key: str) -> bool:
   return any(fnmatch.fnmatchcase(key, pattern) for pattern in SAFE_KEYS)
 
@@ -99,7 +114,7 @@ def reconcile(saved: ml_collections.ConfigDict, requested: ml_collections.Config
   values come from that checkpoint rather than from the config file. Raises ResumeConfigError
   (one line) listing every key that differs but may not change.
   """
-  old, new = flatten(saved), flatten(requested)
+  old, new = canonical(saved), canonical(requested)
   adopted = _architecture_keys(old) if saved.get("init_from") else set()
   explicit = set(overridden or ())
   changes, refused = {}, []

@@ -13,10 +13,18 @@ from diffgemma import checkpointing
 
 
 class RunFailure(RuntimeError):
-  """The run stopped on an error outside the training step. One-line message."""
+  """The run stopped on an error outside the training step. One-line message.
+
+  With a workdir, the message ends with where a rerun resumes, worked out when the message is
+  read: by then the loop has closed its checkpoint manager, so saves that were still being
+  written when the error struck count as complete."""
+
+  def __init__(self, message: str, workdir: str | None = None):
+    super().__init__(message, workdir)
 
   def __str__(self):
-    return str(self.args[0])
+    message, workdir = self.args
+    return message if workdir is None else f"{message}; {resume_hint(workdir)}"
 
 
 def resume_hint(workdir: str) -> str:
@@ -33,9 +41,8 @@ def next_batch(batches: Iterator, step: int, workdir: str):
   try:
     return next(batches)
   except StopIteration:
-    raise RunFailure(f"the data pipeline ended before step {step}; "
-                     f"{resume_hint(workdir)}") from None
+    raise RunFailure(f"the data pipeline ended before step {step}", workdir) from None
   except Exception as e:  # noqa: BLE001 -- any worker failure
     lines = str(e).strip().splitlines()
     raise RunFailure(f"the data pipeline failed preparing step {step}: {type(e).__name__}"
-                     + (f": {lines[0]}" if lines else "") + f"; {resume_hint(workdir)}") from None
+                     + (f": {lines[0]}" if lines else ""), workdir) from None

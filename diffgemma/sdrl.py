@@ -537,11 +537,11 @@ def _train(config, workdir, stop_at, init_from, overridden) -> dict:
   start_step = checkpointing.latest_step(workdir)
   if start_step is not None:
     # The SFT trainer's state layout, so eval.py and sample.py read SD·RL runs unchanged.
-    config, changes = trainer.resume_with(workdir, config, overridden)
-    config, _, state, _, start_step = trainer.restore_run(workdir, config, move_damaged=True)
+    merged, changes = trainer.resume_with(workdir, config, overridden)
+    config, _, state, _, start_step = trainer.restore_run(workdir, merged, move_damaged=True)
     print(f"resumed from step {start_step} in {workdir}" +
           (" (--init_from applies only to a new run)" if init_from else ""))
-    trainer.record_resume_changes(workdir, config, changes, start_step)
+    trainer.record_resume_changes(workdir, merged, changes, start_step)
   else:
     start_step = 0
     print(f"initialising from {init_from}")

@@ -441,11 +441,11 @@ def _train(config, workdir, stop_at, init_from, overridden) -> dict:
   start_step = checkpointing.latest_step(workdir)
   if start_step is not None:
     # The architecture is the run's, as saved when it started (possibly from --init_from).
-    config, changes = resume_with(workdir, config, overridden)
-    config, setup, state, frozen, start_step = restore_run(workdir, config, move_damaged=True)
+    merged, changes = resume_with(workdir, config, overridden)
+    config, setup, state, frozen, start_step = restore_run(workdir, merged, move_damaged=True)
     print(f"resumed from step {start_step} in {workdir}" +
           (" (--init_from applies only to a new run)" if init_from else ""))
-    record_resume_changes(workdir, config, changes, start_step)
+    record_resume_changes(workdir, merged, changes, start_step)
   else:
     start_step = 0
     mesh = sharding.make_mesh(sharding_config(config))
