@@ -37,9 +37,13 @@ def main(argv):
     raise cli.UserError("--data and one of --workdir or --init_from are required")
   if _LIMIT.value is not None and _LIMIT.value <= 0:
     raise cli.UserError(f"--limit must be positive, got {_LIMIT.value}")
+  if _BATCH.value is not None and _BATCH.value <= 0:
+    raise cli.UserError(f"--batch_size must be positive, got {_BATCH.value}")
   from diffgemma import evaluation, runs, sudoku
 
   puzzles, solutions = sudoku.load_csv(_DATA.value, _LIMIT.value)
+  if not len(puzzles):
+    raise cli.UserError(f"no puzzles in {_DATA.value} (only its header)")
   if _WORKDIR.value:
     run = runs.load_run(_WORKDIR.value)
   else:

@@ -32,7 +32,8 @@ def resolve_config_argv(argv: list[str]) -> list[str]:
       if not name.endswith(".py") and not os.path.sep in name:
         candidate = os.path.join(CONFIG_DIR, name + ".py")
         if not os.path.exists(candidate):
-          known = sorted(f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py"))
+          known = sorted(f[:-3] for f in os.listdir(CONFIG_DIR)
+                         if f.endswith(".py") and not f.startswith("_"))
           fail(f"unknown config {name!r}; available: {', '.join(known)}")
         value = candidate + (":" + rest if rest else "")
       elif not os.path.exists(name):
@@ -83,21 +84,51 @@ def _one_line(e: BaseException) -> str:
   return (text[0] if text else type(e).__name__)
 
 
+def _in_checkpoint_library(tb) -> bool:
+  """Whether a traceback passes through orbax or tensorstore."""
+  while tb is not None:
+    name = tb.tb_frame.f_code.co_filename
+    if f"{os.sep}orbax{os.sep}" in name or f"{os.sep}tensorstore{os.sep}" in name:
+      return True
+    tb = tb.tb_next
+  return False
+
+
 class _LibraryLogFilter(logging.Filter):
-  """Drops log records of the checkpoint library below CRITICAL."""
+  """Drops log records (below CRITICAL) of the checkpoint library, and asyncio's reports of its
+  futures' exceptions ("Future exception was never retrieved" after a failed write)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.CRITICAL or f"{os.sep}orbax{os.sep}" not in record.pathname
+    if record.levelno >= logging.CRITICAL:
+      return True
+    if f"{os.sep}orbax{os.sep}" in record.pathname:
+      return False
+    return not (record.exc_info and _in_checkpoint_library(record.exc_info[2]))
+
+
+def _from_checkpoint_library(unraisable) -> bool:
+  """An exception nobody could catch, raised by the checkpoint library's background I/O: a
+  tensorstore callback into an event loop orbax already closed after a failed write."""
+  e = unraisable.exc_value
+  if isinstance(e, RuntimeError) and "Event loop is closed" in str(e):
+    return True
+  return _in_checkpoint_library(unraisable.exc_traceback)
 
 
 def quiet_library_logs() -> None:
+  """Drop the checkpoint library's log records and uncatchable background exceptions (a
+  failed write is reported by the one error line it leads to)."""
   if os.environ.get("DIFFGEMMA_LIBRARY_LOGS"):
     return
   log_filter = _LibraryLogFilter()
-  for logger in (logging.getLogger(), logging.getLogger("absl")):
+  for logger in (logging.getLogger(), logging.getLogger("absl"), logging.getLogger("asyncio")):
     logger.addFilter(log_filter)
     for handler in logger.handlers:
       handler.addFilter(log_filter)
+  if logging.lastResort is not None:  # prints records when no handler is configured
+    logging.lastResort.addFilter(log_filter)
+  default_hook = sys.unraisablehook
+  sys.unraisablehook = lambda u: None if _from_checkpoint_library(u) else default_hook(u)
 
 
 def _quiet_exit() -> None:

@@ -158,10 +158,10 @@ def _set(config: ml_collections.ConfigDict, dotted: str, value) -> None:
 
 
 def describe(changes: dict[str, list], config: ml_collections.ConfigDict) -> list[str]:
-  """One line per applied change, for the log."""
+  """One phrase per applied change, for the log."""
   lines = []
   for key, (old, new) in changes.items():
-    line = f"  {key}: {_show(old)} -> {_show(new)}"
+    line = f"{key}: {_show(old)} -> {_show(new)}"
     if key == "num_train_steps" and config.get("optimizer", {}).get("schedule") == "cosine":
       line += " (the cosine learning-rate schedule now spans the new length)"
     if old is None:

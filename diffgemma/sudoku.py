@@ -568,6 +568,8 @@ def load_csv(path, limit: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]
   path = os.fspath(path)
   if limit is not None and limit < 0:
     raise ValueError(f"limit must be >= 0, got {limit}")
+  if os.path.isdir(path):
+    raise SudokuDataError(f"{path} is a directory, expected a CSV file")
   if not os.path.isfile(path):
     raise SudokuDataError(f"no such file: {path}")
   line_numbers, quizzes, solutions = [], [], []

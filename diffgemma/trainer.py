@@ -407,8 +407,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   command line (see resume_config.reconcile). One trainer per workdir (workdir_lock).
   """
   config_checks.validate_run_config(config)  # before anything is written
+  check_init_from(init_from)
   with workdir_lock.hold(workdir, enabled=jax.process_index() == 0):
     return _train(config, workdir, stop_at, init_from, overridden)
+
+
+def check_init_from(init_from: str | None) -> None:
+  """A missing --init_from fails before the workdir is created."""
+  if init_from and not os.path.isdir(init_from):
+    raise checkpointing.CheckpointError(f"--init_from directory {init_from!r} not found")
 
 
 def resume_with(workdir: str, config: ml_collections.ConfigDict, overridden=None):
@@ -429,9 +436,8 @@ def record_resume_changes(workdir: str, config, changes, step: int) -> None:
   """Print the applied changes; rewrite config.json; append them to the history."""
   if not changes:
     return
-  print(f"changed on resume at step {step} (recorded in {resume_config.HISTORY_FILE}):")
-  for line in resume_config.describe(changes, config):
-    print(line)
+  print(f"changed on resume at step {step}: {'; '.join(resume_config.describe(changes, config))}"
+        f" (recorded in {resume_config.HISTORY_FILE})")
   checkpointing.save_config(workdir, config)
   resume_config.record(workdir, step, changes)
 

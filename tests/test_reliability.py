@@ -365,7 +365,8 @@ def test_resume_records_safe_changes_with_their_step(reference, tmp_path, capsys
   assert len(history) == 1 and history[0]["step"] == STEPS
   assert history[0]["changes"] == {"keep_checkpoints": {"old": 2, "new": 5},
                                    "log_every": {"old": 1, "new": 3}}
-  assert "  log_every: 1 -> 3" in capsys.readouterr().out
+  assert f"changed on resume at step {STEPS}: keep_checkpoints: 2 -> 5; log_every: 1 -> 3 (" in (
+      capsys.readouterr().out)
   saved = checkpointing.load_config(workdir)
   assert saved.log_every == 3 and saved.keep_checkpoints == 5
   trainer.train(changed, workdir)  # the same request again changes nothing more
