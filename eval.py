@@ -33,7 +33,9 @@ _TRAJECTORY = flags.DEFINE_bool(
 
 def main(argv):
   del argv
-  if bool(_WORKDIR.value) == bool(_INIT_FROM.value) or not _DATA.value:
+  if _WORKDIR.value and _INIT_FROM.value:
+    raise cli.UserError("give one of --workdir or --init_from, not both")
+  if not (_WORKDIR.value or _INIT_FROM.value) or not _DATA.value:
     raise cli.UserError("--data and one of --workdir or --init_from are required")
   if _LIMIT.value is not None and _LIMIT.value <= 0:
     raise cli.UserError(f"--limit must be positive, got {_LIMIT.value}")

@@ -202,7 +202,7 @@ def describe_os_error(e: BaseException) -> str:
 
 def _short(e: BaseException) -> str:
   lines = str(e).strip().splitlines()
-  text = lines[0] if lines else ""
+  text = lines[0].split(" See full TensorStore details")[0] if lines else ""
   text = text if len(text) <= ERROR_TEXT_CHARS else text[:ERROR_TEXT_CHARS] + "..."
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -362,18 +362,18 @@ def restore_latest(workdir: str, abstract_state, move_damaged: bool = False,
       if _is_out_of_memory(e):
         raise CheckpointError(f"restoring checkpoint step {step} ran out of memory: "
                               f"{_short(e)}") from None
-      failed.append((step, e))
+      failed.append((step, _short(e)))  # not `e`: its frames hold the failed read's tasks
       continue
-    for bad, e in failed:
-      log(f"warning: checkpoint step {bad} in {directory} cannot be read ({_short(e)})")
+    for bad, reason in failed:
+      log(f"warning: checkpoint step {bad} in {directory} cannot be read ({reason})")
       if move_damaged:
         log(f"moved damaged checkpoint step {bad} to {move_aside(workdir, bad)}")
     if failed:
       log(f"using checkpoint step {step}, the newest readable one")
     return state, step
   with _quiet_read_failures():
-    reasons = "; ".join(f"step {step}: {_mismatch(workdir, step, abstract_state) or _short(e)}"
-                        for step, e in failed)
+    reasons = "; ".join(f"step {step}: {_mismatch(workdir, step, abstract_state) or reason}"
+                        for step, reason in failed)
   raise CheckpointError(
       f"no checkpoint in {directory} can be restored ({reasons}); nothing was moved. If the "
       "config differs from the run's, use the run's; if the files are damaged, move them aside "

@@ -95,13 +95,14 @@ def _in_checkpoint_library(tb) -> bool:
 
 
 class _LibraryLogFilter(logging.Filter):
-  """Drops log records (below CRITICAL) of the checkpoint library, and asyncio's reports of its
-  futures' exceptions ("Future exception was never retrieved" after a failed write)."""
+  """Drops log records (below CRITICAL) of the checkpoint library, and asyncio's: only orbax
+  runs event loops here, and asyncio reports each of its failed reads and writes again ("Task
+  exception was never retrieved") when the task is collected."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.levelno >= logging.CRITICAL:
       return True
-    if f"{os.sep}orbax{os.sep}" in record.pathname:
+    if f"{os.sep}orbax{os.sep}" in record.pathname or record.name == "asyncio":
       return False
     return not (record.exc_info and _in_checkpoint_library(record.exc_info[2]))
 

@@ -76,16 +76,21 @@ def _normal(value):
 
 
 def canonical(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """flatten(config) with the model section as ModelConfig resolves it (an empty layer_types
-  is the default pattern, spelled out), so equal models compare equal however written."""
+  """flatten(config) with the model section as ModelConfig resolves it, and layer_types empty
+  when it is the default pattern of num_layers: equal models compare equal however written, and
+  a new num_layers is not also reported as a new layer_types."""
   tree = config.to_dict()
   if isinstance(tree.get("model"), dict):
-    from diffgemma.config import ModelConfig  # local: a light module, kept out of the import
+    from diffgemma.config import ModelConfig, default_layer_types  # local: keep this light
 
     try:
-      tree["model"] = dataclasses.asdict(ModelConfig(**tree["model"]))
+      model = dataclasses.asdict(ModelConfig(**tree["model"]))
     except (TypeError, ValueError):
-      pass  # not a model this code can build: compare as written
+      model = None  # not a model this code can build: compare as written
+    if model is not None:
+      if tuple(model["layer_types"]) == default_layer_types(model["num_layers"]):
+        model["layer_types"] = []
+      tree["model"] = model
   return flatten(tree)
 
 

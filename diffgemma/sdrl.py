@@ -525,7 +525,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   Returns the last logged metrics.
   """
   config_checks.validate_run_config(config)
-  trainer.check_init_from(init_from)
+  trainer.check_init_from(init_from, workdir)
   if checkpointing.latest_step(workdir) is None and not init_from:
     raise checkpointing.CheckpointError(
         "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")

@@ -407,14 +407,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   command line (see resume_config.reconcile). One trainer per workdir (workdir_lock).
   """
   config_checks.validate_run_config(config)  # before anything is written
-  check_init_from(init_from)
+  check_init_from(init_from, workdir)
   with workdir_lock.hold(workdir, enabled=jax.process_index() == 0):
     return _train(config, workdir, stop_at, init_from, overridden)
 
 
-def check_init_from(init_from: str | None) -> None:
-  """A missing --init_from fails before the workdir is created."""
-  if init_from and not os.path.isdir(init_from):
+def check_init_from(init_from: str | None, workdir: str) -> None:
+  """A new run's missing --init_from fails before the workdir is created (a resumed run does
+  not read it)."""
+  if init_from and checkpointing.latest_step(workdir) is None and not os.path.isdir(init_from):
     raise checkpointing.CheckpointError(f"--init_from directory {init_from!r} not found")
 
 

@@ -424,28 +424,41 @@ def test_conflicting_givens_are_reported_before_sampling(tmp_path):
 
 
 def _tmp_checkpoints(workdir):
-  try:
-    return [n for n in os.listdir(checkpointing.checkpoint_dir(workdir))
-            if ".orbax-checkpoint-tmp" in n]
-  except OSError:
-    return []
+  """{(name, inode, ctime)} of the temporary directories of checkpoint writes in progress (or
+  cut by a kill)."""
+  directory = checkpointing.checkpoint_dir(workdir)
+  found = set()
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  for name in names:
+    if ".orbax-checkpoint-tmp" in name:
+      try:
+        st = os.stat(os.path.join(directory, name))
+      except OSError:  # renamed into place meanwhile: that write is complete
+        continue
+      found.add((name, st.st_ino, st.st_ctime_ns))
+  return found
 
 
-def _run_until_killed(workdir, log_path, rng, inside_write):
-  """Start train.py; SIGKILL it inside a checkpoint write (as soon as a temporary checkpoint
-  directory appears, after a random 0-50 ms) or at a random moment 0-3 s after it announced its
-  steps (compiling, training or saving). Returns whether the kill landed inside a write
-  (checked on disk after the kill), or None if the run finished first."""
+def _run_until_killed(workdir, log_path, rng, write_of_step=None):
+  """Start train.py and SIGKILL it: with `write_of_step`, inside the checkpoint write of the
+  first step >= it (0-50 ms after its temporary directory appears); else at a random moment
+  0-3 s after the run announced its steps (compiling, training or saving). Returns whether the
+  kill landed inside a write (checked on disk after the kill), or None if the run finished
+  first. A write cut by an earlier kill leaves a directory of the same name until the next
+  trainer clears it: only a new directory (another inode or change time) counts."""
+  cut_before = _tmp_checkpoints(workdir)
   proc, log = start(train_cmd(workdir), log_path)
   try:
     deadline = time.time() + 300
     announced_at = None
     wait = rng.uniform(0.0, 3.0)
     while proc.poll() is None and time.time() < deadline:
-      if inside_write and _tmp_checkpoints(workdir):
-        time.sleep(rng.uniform(0.0, 0.05))
-        break
-      if not inside_write:
+      if write_of_step is not None:
+        if any(int(name.split(".")[0]) >= write_of_step
+               for name, *_ in _tmp_checkpoints(workdir) - cut_before):
+          time.sleep(rng.uniform(0.0, 0.05))
+          break
+      else:
         if announced_at is None and "training steps" in open(log_path).read():
           announced_at = time.time()
         if announced_at is not None and time.time() - announced_at > wait:
@@ -455,24 +468,33 @@ def _run_until_killed(workdir, log_path, rng, inside_write):
       return None
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    return bool(_tmp_checkpoints(workdir))
+    return bool(_tmp_checkpoints(workdir) - cut_before)
   finally:
     proc.kill()
     log.close()
 
 
 def test_sigkill_at_random_moments_then_rerun_is_bitwise_equal(reference, tmp_path):
+  """Kills inside the write of a random step (not the first, so a rerun resumes from a
+  checkpoint), at a random moment of the next run, and inside the next run's next write."""
   seed = random.SystemRandom().randrange(2**32)
   rng = random.Random(seed)
   workdir = str(tmp_path / "run")
   kills, killed_last = [], False
-  for i, inside_write in enumerate((True, False, True)):
-    outcome = _run_until_killed(workdir, tmp_path / f"kill{i}.log", rng, inside_write)
+  for i in range(3):
+    latest = checkpointing.latest_step(workdir) or 0
+    target = {0: rng.choice(range(2 * EVERY, STEPS, EVERY)), 1: None, 2: latest + EVERY}[i]
+    if target is not None and target > STEPS:
+      break
+    outcome = _run_until_killed(workdir, tmp_path / f"kill{i}.log", rng, target)
     killed_last = outcome is not None
     if outcome is None:
       break
-    kills.append((inside_write, outcome, checkpointing.latest_step(workdir)))
+    kills.append((target, outcome, checkpointing.latest_step(workdir)))
+  print(f"kills (write of step or None, landed inside a write, latest step after; seed "
+        f"{seed}): {kills}")
   assert any(landed for _, landed, _ in kills), f"no kill inside a write (seed {seed}): {kills}"
+  assert kills[0][2] is not None, f"the first kill left no checkpoint (seed {seed}): {kills}"
   proc, log = start(train_cmd(workdir), tmp_path / "final.log")
   assert proc.wait(timeout=300) == 0, open(tmp_path / "final.log").read()
   log.close()
