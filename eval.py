@@ -56,7 +56,9 @@ def eval_overrides() -> dict:
 
 def main(argv):
   del argv
-  if bool(_WORKDIR.value) == bool(_INIT_FROM.value) or not _DATA.value:
+  if _WORKDIR.value and _INIT_FROM.value:
+    raise cli.UserError("give one of --workdir or --init_from, not both")
+  if not (_WORKDIR.value or _INIT_FROM.value) or not _DATA.value:
     raise cli.UserError("--data and one of --workdir or --init_from are required")
   if _LIMIT.value is not None and _LIMIT.value <= 0:
     raise cli.UserError(f"--limit must be positive, got {_LIMIT.value}")
@@ -74,6 +76,8 @@ def main(argv):
     run = runs.open_checkpoint(_INIT_FROM.value, config, eval_overrides=eval_overrides(),
                                **overrides)
   prompts = run.task.load_eval_file(_DATA.value, _LIMIT.value)  # checked before the weights
+  if not len(prompts):
+    raise cli.UserError(f"no examples in {_DATA.value}")
   run.load()
   batch = _BATCH.value or run.config.eval.batch_size
   with tqdm(total=len(prompts), desc="eval", unit="example") as bar:

@@ -55,7 +55,7 @@ def dry_run(config: ml_collections.ConfigDict, init_from: str | None = None) -> 
   """{"programs": {name: memory report}, "devices", "mesh", per-device state sizes}: the
   training step, and for SD·RL also the rollout; nothing is allocated. With `init_from` the
   architecture is read from that checkpoint's config (no weights read)."""
-  config, task, _ = train_loop.prepare_config(config, None, init_from, planning=True)
+  config, task, _, _ = train_loop.prepare_config(config, None, init_from, planning=True)
   setup = run_state.make_setup(config)
   stage = train_loop.make_stage(config, task, setup)
   frozen = None

@@ -12,7 +12,7 @@ import dataclasses
 
 import ml_collections
 
-from diffgemma import lora, losses, optimizer, sampler, sharding
+from diffgemma import config_checks, lora, losses, optimizer, sampler, sharding
 from diffgemma.config import ModelConfig
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -114,10 +114,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   Raises ValueError / TypeError / KeyError with a one-line message (train.py prefixes it with
   "bad config:"). The task's sections are checked by `make_task`.
   """
+  config_checks.validate_run_config(config)
   train = train_config(config)
   model_config(config), loss_config(config), sampler_config(config)
   optimizer_config(config), lora_config(config), sharding_config(config)
-  opt = config.optimizer
-  if opt.warmup_steps > train.num_train_steps:
-    raise ValueError(f"optimizer.warmup_steps={opt.warmup_steps} exceeds num_train_steps="
-                     f"{train.num_train_steps}")
+  del train

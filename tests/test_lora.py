@@ -202,7 +202,7 @@ def losses(fsdp, tensor, lora_base=None):
   step = trainer.make_update_step(setup, stage.loss_fn,
                                   jax.tree_util.tree_map(lambda x: x.sharding, target), None,
                                   trainer.batch_shardings(setup, stage.batch_shapes()))
-  stage.start(state, None, 0)
+  stage.start(state, None, 0, '.')
   out = []
   for _ in range(5):
     batch, _ = stage.next_batch(0, state, None)

@@ -491,11 +491,11 @@ def _stage_and_batch(config, sft_dir, accum):
   """An SD·RL stage over a fresh tiny state from `sft_dir`, and one rollout's update batch."""
   config = config.copy_and_resolve_references()
   config.grad_accum_steps = accum
-  config, task, _ = train_loop.prepare_config(config, None, sft_dir)
+  config, task, _, _ = train_loop.prepare_config(config, None, sft_dir)
   setup = run_state.make_setup(config)
   state, frozen = run_state.new_state(config, setup, sft_dir)
   stage = sdrl.SdrlStage(config, task, setup)
-  stage.start(state, frozen, 0)
+  stage.start(state, frozen, 0, sft_dir)
   batch, _ = stage.next_batch(0, state, frozen)
   return setup, stage, state, frozen, batch
 

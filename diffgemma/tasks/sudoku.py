@@ -253,8 +253,18 @@ class SudokuTask(Task):
                    (data.min_givens, data.max_givens),
                    (config.eval.min_givens, config.eval.max_givens)):
       sudoku.check_givens_range(lo, hi)
-    if data.curriculum_steps < 0:
-      raise ValueError(f"data.curriculum_steps must be >= 0, got {data.curriculum_steps}")
+    for key, low in (("data.seed", 0), ("data.curriculum_steps", 0), ("data.num_threads", 0),
+                     ("data.prefetch", 0), ("eval.num_puzzles", 0), ("eval.seed", 0)):
+      section, name = key.split(".")
+      value = config[section][name]
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+      if value < low:
+        raise ValueError(f"{key} must be >= {low}, got {value}")
+    new_tokens = config.sampler.max_new_tokens
+    if new_tokens < CANVAS_LEN:
+      raise ValueError(f"sampler.max_new_tokens={new_tokens} cannot hold a Sudoku answer "
+                       f"({CANVAS_LEN} digits)")
     if config.model.vocab_size < self._vocab:
       raise ValueError(f"model.vocab_size={config.model.vocab_size} is too small for "
                        f"data.prompt_format={self.prompt_format!r} (needs {self._vocab})")
@@ -343,7 +353,10 @@ class SudokuTask(Task):
   # ---------------------------------------------------------------- text
 
   def prompt_from_text(self, text: str) -> Prompts:
-    puzzle = sudoku.parse_puzzle_string(text)
+    puzzle = sudoku.parse_puzzle_string(text)  # conflicting givens are an error here
+    if sudoku.solve(puzzle) is None:  # givens that conflict only through the other cells
+      raise sudoku.SudokuDataError("puzzle has no solution: no grid completes its givens; check "
+                                   "the --puzzle string")
     return puzzle_prompts(puzzle[None], np.zeros_like(puzzle)[None], self.prompt_format)
 
   def prompt_text(self, prompts, row=0):
