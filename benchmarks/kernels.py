@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from diffgemma import model  # noqa: E402
+from diffgemma import attention_mask, model  # noqa: E402
 from diffgemma.config import FULL, SLIDING, gemma_26b_a4b  # noqa: E402
 from diffgemma.kernels import attention as attention_kernel  # noqa: E402
 from diffgemma.kernels import moe as moe_kernel  # noqa: E402
@@ -86,7 +86,7 @@ def bench_attention(cfg, layer_type, batch, prefix, dtype, peaks, repeats, rng):
   pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, slots))
   valid = jnp.ones((batch, slots), bool)
   xla = jax.jit(lambda q, k, v: model.attend(
-      q, k, v, model.attention_mask(anchor, limit, pos, valid, window)))
+      q, k, v, attention_mask.attention_mask(anchor, limit, pos, valid, window)))
   pallas = jax.jit(lambda q, k, v: attention_kernel.canvas_attention(
       q, k, v, anchor, limit, pos, valid, window))
   err = float(jnp.max(jnp.abs(xla(q, k, v).astype(jnp.float32) -

@@ -32,7 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffgemma import attention_mask as mask_lib
 from diffgemma import lora, sharding
+from diffgemma.kernels import attention as attention_kernel
+from diffgemma.kernels import moe as moe_kernel
 from diffgemma.config import SLIDING, ModelConfig
 
 Params = dict[str, Any]
@@ -95,25 +98,9 @@ def apply_rope(x_BxTxHxd, positions_BxT, inv_freq):
   return x_BxTxHxd * cos + rotated * sin
 
 
-def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_window):
-  """The one attention mask of the model, [B, T, S] bool.
-
-  Key j is visible to query t when it is valid, not after the query's limit, and (on sliding
-  layers) after its window anchor minus the window:
-    kv_valid[j] and kv_pos[j] <= q_limit[t] and kv_pos[j] > q_anchor[t] - window.
-  Encoder (causal): anchor = limit = the query's own position.
-  Decoder (a canvas starting at L): anchor = L, limit = the canvas's last position, so every
-  canvas token sees the whole canvas and the last window-1 prefix tokens (the reference keeps
-  exactly that many in its sliding-window cache).
-  """
-  visible = kv_valid_BxS[:, None, :] & (kv_pos_BxS[:, None, :] <= q_limit_BxT[:, :, None])
-  if sliding_window is not None:
-    visible &= kv_pos_BxS[:, None, :] > q_anchor_BxT[:, :, None] - sliding_window
-  return visible
-
-
 class MaskSpec(NamedTuple):
-  """The ingredients of `attention_mask` for one layer type (window None = full attention)."""
+  """The ingredients of `mask_lib.attention_mask` for one layer type (window None = full
+  attention)."""
   q_anchor_BxT: jnp.ndarray
   q_limit_BxT: jnp.ndarray
   kv_pos_BxS: jnp.ndarray
@@ -128,7 +115,8 @@ def layer_mask_specs(cfg: ModelConfig, q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv
   for lt in set(cfg.layer_types):
     spec = MaskSpec(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS,
                     cfg.sliding_window if lt == SLIDING else None)
-    specs[lt] = (spec, None if cfg.attention_impl == "pallas" else attention_mask(*spec))
+    mask = None if cfg.attention_impl == "pallas" else mask_lib.attention_mask(*spec)
+    specs[lt] = (spec, mask)
   return specs
 
 
@@ -136,10 +124,6 @@ def attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, spec_and_mask, cfg: ModelConfig):
   """Attention by `cfg.attention_impl`: the XLA reference or the Pallas canvas kernel."""
   spec, mask_BxTxS = spec_and_mask
   if cfg.attention_impl == "pallas":
-    from diffgemma.kernels import (
-      attention as attention_kernel,  # local: the kernel imports us
-    )
-
     return attention_kernel.canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, *spec[:4],
                                              spec.window)
   return attend(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, mask_BxTxS)
@@ -196,8 +180,6 @@ def moe(x_NxD, weights_Nxk, index_Nxk, experts: Params, cfg: ModelConfig):
   # Combine weights are applied per assignment, then scattered back: nothing of size E x N.
   row_weights_M = weights_Nxk.reshape(-1)[order_M]
   if cfg.moe_impl == "pallas":
-    from diffgemma.kernels import moe as moe_kernel  # local: Pallas only when asked for
-
     # The fused kernel takes plain weights: adapters are folded in, one layer at a time.
     gate_up_w, down_w = (w.merged(x_NxD.dtype) if isinstance(w, lora.LoraWeight)
                          else w.astype(x_NxD.dtype)
