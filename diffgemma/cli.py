@@ -80,11 +80,12 @@ def run(main, argv=None):
   """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2)."""
   # local: keep flag parsing light
   from diffgemma import checkpointing, hf_weights, safetensors_io, sudoku, tokenizer
+  from diffgemma.kernels import platform
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv))
   user_errors = (UserError, sudoku.SudokuDataError, checkpointing.CheckpointError,
                  hf_weights.WeightMappingError, safetensors_io.CheckpointFormatError,
-                 tokenizer.TokenizerError)
+                 tokenizer.TokenizerError, platform.KernelPlatformError)
   try:
     main(argv)
   except user_errors as e:
