@@ -2,6 +2,7 @@
 
   python eval.py --workdir=/tmp/sudoku --data=puzzles.csv [--limit=300]
   python eval.py --init_from=CHECKPOINT_DIR --data=puzzles.csv [--config=sft_sudoku]
+  python eval.py --workdir=/tmp/sudoku --data=puzzles.csv --quantize=int4   # quantized base
 
 The last line printed is one JSON object of metrics.
 """
@@ -25,6 +26,8 @@ _DATA = flags.DEFINE_string("data", None, "CSV with header quizzes,solutions.")
 _LIMIT = flags.DEFINE_integer("limit", None, "Evaluate only the first N puzzles.")
 _BATCH = flags.DEFINE_integer("batch_size", None, "Sampler batch (default: the run's eval batch).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
+_QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
+                              "(weight-only; diffgemma/quantize.py defaults) before sampling.")
 _TRAJECTORY = flags.DEFINE_bool(
     "trajectory_stats", False, "Record the sampler's trajectories; add settle_steps_per_canvas "
     "(the mean step from which the argmax canvas stopped changing) and step_profile (per step: "
@@ -45,6 +48,10 @@ def main(argv):
   else:
     config = _CONFIG.value or cli.load_named_config("sft_sudoku")
     run = runs.load_checkpoint_as_run(_INIT_FROM.value, config)
+  if _QUANTIZE.value:
+    from diffgemma import quantize
+
+    run.params = quantize.quantize_params(run.params, quantize.QuantizeConfig(_QUANTIZE.value))
   batch = _BATCH.value or run.config.eval.batch_size
   sampler_cfg = run.sampler_cfg
   if _TRAJECTORY.value:
@@ -54,7 +61,8 @@ def main(argv):
         run.params, run.model_cfg, sampler_cfg, puzzles, solutions, batch,
         run.config.data.prompt_format, seed=_SEED.value,
         progress=bar, warmup=True)
-  metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value))
+  metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value),
+                 quantize=_QUANTIZE.value or "none")
   if "step_profile" in metrics:
     print(evaluation.format_step_profile(metrics["step_profile"]))
   print(json.dumps(metrics))

@@ -10,6 +10,8 @@ reply ends at EOS or at the end-of-turn marker. Sudoku, from a training run, sho
 after every denoising step:
 
   python sample.py --workdir=/tmp/sudoku --puzzle=53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79
+
+Either mode takes --quantize=int8|int4: the weights quantized (weight-only) before sampling.
 """
 
 import json
@@ -36,6 +38,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Sudoku mode: training run direc
 _PUZZLE = flags.DEFINE_string("puzzle", None, "Sudoku mode: 81 characters, row by row; "
                               "'.' or '0' = blank.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
+_QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
+                              "(weight-only; diffgemma/quantize.py defaults) before sampling.")
 
 
 def main(argv):
@@ -88,6 +92,7 @@ def sample_text():
   from diffgemma import checkpoint_io, sampler
 
   model_cfg, params = checkpoint_io.load_model(path, dtype=_DTYPE.value)
+  params = _maybe_quantize(params)
   if max(prompt_ids) >= model_cfg.vocab_size:
     raise cli.UserError(f"the tokenizer in {path} gives id {max(prompt_ids)}, outside the "
                         f"model's vocabulary of {model_cfg.vocab_size}")
@@ -122,6 +127,15 @@ def sample_text():
         f"{float(out['steps_per_canvas'][0]):.1f} steps per canvas; "
         f"{num_tokens / max(seconds, 1e-9):.1f} tokens/s "
         f"({seconds:.2f}s, compile {compiled - start:.1f}s)]")
+
+
+def _maybe_quantize(params):
+  """--quantize: the weight-only int8 / int4 base (diffgemma/quantize.py defaults)."""
+  if not _QUANTIZE.value:
+    return params
+  from diffgemma import quantize
+
+  return quantize.quantize_params(params, quantize.QuantizeConfig(_QUANTIZE.value))
 
 
 def _read_json(path: str) -> dict:
@@ -172,6 +186,7 @@ def sample_sudoku():
   from diffgemma import data, runs, sampler
 
   run = runs.load_run(_WORKDIR.value, record_trajectory=True)
+  run.params = _maybe_quantize(run.params)
   arrays = data.eval_arrays(puzzle[None], run.config.data.prompt_format)
   generate_fn = sampler.make_generate_fn(run.model_cfg, run.sampler_cfg)
   out = jax.device_get(generate_fn(run.params, arrays["prompt"], arrays["valid"],

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffgemma import attention_mask as mask_lib
-from diffgemma import lora, sharding
+from diffgemma import lora, quantize, sharding
 from diffgemma.kernels import attention as attention_kernel
 from diffgemma.kernels import moe as moe_kernel
 from diffgemma.config import SLIDING, ModelConfig
@@ -61,8 +61,9 @@ def gelu_tanh(x):
 def linear(x, w, num_in_axes: int = 1):
   """The model's one linear map: x[..., in...] contracted with w[in..., out...].
 
-  `w` is an array (cast to x's dtype) or a `lora.LoraWeight`, computed as
-  x @ W + scale * (dropout(x) @ A) @ B without forming W + A @ B.
+  `w` is an array (cast to x's dtype), a `quantize.QuantizedWeight` (dequantized to x's dtype)
+  or a `lora.LoraWeight` (over either), computed as x @ W + scale * (dropout(x) @ A) @ B without
+  forming W + A @ B.
   """
   if isinstance(w, lora.LoraWeight):
     low_rank = jnp.tensordot(w.low_rank_input(x), w.a.astype(x.dtype), num_in_axes)
@@ -167,7 +168,8 @@ def moe(x_NxD, weights_Nxk, index_Nxk, experts: Params, cfg: ModelConfig):
   a time in a lax.scan: one expert's weights in memory instead of a gather as large as all of
   them; for large models) or "pallas" (the grouped kernel in
   diffgemma/kernels/moe.py with fused gate/up and the combine weights in its epilogue).
-  Expert weights may be `lora.LoraWeight`s (per-expert adapters): see `expert_matmul`.
+  Expert weights may be `lora.LoraWeight`s (per-expert adapters) and `quantize.QuantizedWeight`s
+  (dequantized per tile): see `expert_matmul`.
   """
   n, d = x_NxD.shape
   top_k = index_Nxk.shape[1]
@@ -270,7 +272,7 @@ class ExpertGroups(NamedTuple):
 def expert_matmul(rows, w, groups: ExpertGroups, frozen: bool = False):
   """Each row (in `groups`' layout) times its expert's matrix, w [E, in, out]; a LoraWeight adds
   its per-expert low-rank path, (rows @ A_e) @ B_e, in the same grouped layout. `frozen`: w gets
-  no gradient (a LoRA base), so "tiled_scan" does not accumulate one."""
+  no gradient (a LoRA base, or any quantized weight), so "tiled_scan" does not accumulate one."""
   if isinstance(w, lora.LoraWeight):
     low_rank = expert_matmul(expert_matmul(w.low_rank_input(rows), w.a, groups), w.b, groups)
     return (expert_matmul(rows, w.base, groups, frozen=True)
@@ -278,6 +280,7 @@ def expert_matmul(rows, w, groups: ExpertGroups, frozen: bool = False):
   if groups.tile_expert_T is None:
     return jax.lax.ragged_dot(rows, w.astype(rows.dtype), groups.group_sizes_E)
   if groups.one_tile_at_a_time:
+    frozen = frozen or isinstance(w, quantize.QuantizedWeight)
     return _tile_matmul_scan(rows, w, groups.tile_expert_T, not frozen)
   return jnp.einsum("nti,nio->nto", rows, w[groups.tile_expert_T].astype(rows.dtype))
 
@@ -325,7 +328,7 @@ def _tile_matmul_scan_bwd(weight_grad, residuals, grad_NxtxO):
   if not weight_grad:
     grad_rows = _scan_tiles_with_weights(lambda w, _, xs: (None, grad_rows_step(w, *xs)),
                                          w_ExIxO, None, xs)[1]
-    return grad_rows, jnp.zeros_like(w_ExIxO), None
+    return grad_rows, jax.tree_util.tree_map(_zero_cotangent, w_ExIxO), None
 
   def step(w, grad_w, xs):
     rows_txI, grad_txO, expert = xs
@@ -336,6 +339,13 @@ def _tile_matmul_scan_bwd(weight_grad, residuals, grad_NxtxO):
   grad_w, grad_rows = _scan_tiles_with_weights(
       step, w_ExIxO, jnp.zeros(w_ExIxO.shape, jnp.float32), xs)
   return grad_rows, grad_w.astype(w_ExIxO.dtype), None
+
+
+def _zero_cotangent(x):
+  """A zero cotangent for x (float0 for the integer values of a quantized weight)."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
 
 
 _tile_matmul_scan.defvjp(_tile_matmul_scan_fwd, _tile_matmul_scan_bwd)

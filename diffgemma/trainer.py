@@ -22,6 +22,7 @@ from diffgemma import (
   lora,
   losses,
   model,
+  quantize,
   sampler,
   sharding,
   sudoku,
@@ -45,7 +46,7 @@ def sampler_config(config: ml_collections.ConfigDict) -> sampler.SamplerConfig:
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Build every typed piece of a config once, so a bad value fails before any work starts."""
   model_config(config), loss_config(config), sampler_config(config)
-  lora_config(config), sharding_config(config)
+  lora_config(config), sharding_config(config), quantize_config(config)
   if config.batch_size % config.get("grad_accum_steps", 1):
     raise ValueError(f"grad_accum_steps={config.grad_accum_steps} does not divide "
                      f"batch_size={config.batch_size}")
@@ -148,6 +149,16 @@ def lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig:
   return cfg
 
 
+def quantize_config(config: ml_collections.ConfigDict) -> quantize.QuantizeConfig | None:
+  """A QLoRA run's base quantization: lora.base_dtype "int8" / "int4", refined by an optional
+  `quantize` section (quantize.QuantizeConfig fields but dtype); None for any other run."""
+  lora_cfg = lora_config(config)
+  if not lora_cfg.enabled or lora_cfg.base_dtype not in quantize.QTYPES:
+    return None
+  fields = config.quantize.to_dict() if "quantize" in config else {}
+  return quantize.QuantizeConfig(dtype=lora_cfg.base_dtype, **fields)
+
+
 def sharding_config(config: ml_collections.ConfigDict) -> sharding.ShardingConfig:
   if "sharding" not in config:
     return sharding.ShardingConfig()
@@ -166,6 +177,7 @@ class Setup:
   tx: Any
   schedule: Any
   grad_accum_steps: int
+  quantize_cfg: quantize.QuantizeConfig | None = None  # QLoRA: the frozen base's quantization
 
   @property
   def uses_lora(self) -> bool:
@@ -181,7 +193,7 @@ def make_setup(config: ml_collections.ConfigDict, mesh=None) -> Setup:
     raise ValueError(f"grad_accum_steps={accum} must be >= 1 and divide batch_size="
                      f"{config.batch_size}")
   return Setup(model_config(config), loss_config(config), lora_config(config), mesh,
-               shard_cfg.rules, tx, schedule, accum)
+               shard_cfg.rules, tx, schedule, accum, quantize_config(config))
 
 
 def model_params(trainable, frozen, lora_cfg: lora.LoraConfig, dropout_rng=None):
@@ -193,7 +205,11 @@ def model_params(trainable, frozen, lora_cfg: lora.LoraConfig, dropout_rng=None)
 
 
 def base_params_shape(setup: Setup):
-  """Shapes of the frozen base of a LoRA run (in lora.base_dtype)."""
+  """Shapes of the frozen base of a LoRA run (in lora.base_dtype; QLoRA: quantized from the
+  model's param_dtype)."""
+  if setup.quantize_cfg is not None:
+    shapes = model.abstract_params(setup.model_cfg)
+    return jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), shapes)
   cfg = setup.model_cfg.replace(param_dtype=setup.lora_cfg.base_dtype)
   return model.abstract_params(cfg)
 
@@ -334,8 +350,24 @@ def load_frozen_base(config, setup: Setup):
   if not init_from:
     raise ValueError("a LoRA run fine-tunes a base model: pass --init_from=DIR (a checkpoint "
                      "or a training workdir)")
+  if setup.quantize_cfg is not None:
+    return _load_quantized_base(config, init_from, setup)
   return load_initial_params(config, init_from, setup.mesh, setup.rules,
                              dtype=setup.lora_cfg.base_dtype)
+
+
+def _load_quantized_base(config, init_from: str, setup: Setup):
+  """QLoRA: the base read into host memory in model.param_dtype, then quantized one weight at a
+  time onto the mesh (the devices never hold the float base)."""
+  try:
+    host = jax.local_devices(backend="cpu")[0]
+  except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it): load on the default device
+    host = None
+  with jax.default_device(host):
+    params = load_initial_params(config, init_from, dtype=config.model.param_dtype)
+  shapes = jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), params)
+  return quantize.quantize_params(params, setup.quantize_cfg,
+                                  sharding.tree_shardings(shapes, setup.mesh, setup.rules))
 
 
 def restore_run(workdir: str, config=None):
@@ -502,7 +534,7 @@ def _bytes_per_device(tree) -> int:
   total = 0
   for x in jax.tree_util.tree_leaves(tree):
     shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-    total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+    total += int(np.prod(shape)) * quantize.bits_per_value(x.dtype) // 8
   return total
 
 
