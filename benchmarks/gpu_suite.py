@@ -143,9 +143,9 @@ def model_configs(smoke: bool) -> tuple[ModelConfig, dict]:
     # one of them (the kernels themselves are tested in tests/).
     cfg = cfg.replace(**{**kernel_bench.SMOKE_OVERRIDES, "canvas_length": 16}, num_layers=2,
                       layer_types=())
-    shapes = {"prefix": 32, "new_tokens": 32, "batches": (1, 2), "kernel_batches": (1,),
+    shapes = {"prefix": 32, "new_tokens": 32, "batches": (2,), "kernel_batches": (1,),
               "steps_per_canvas": 2, "generate_kernels": (True,),
-              "lora_variants": tuple(v for v in LORA_VARIANTS if not v[1])}
+              "lora_variants": tuple(v for v in LORA_VARIANTS if v[2] == "int4")}
   return cfg, shapes
 
 

@@ -22,7 +22,7 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert table.startswith("GPU suite, ") and "| section | measurement |" in table
   # (a) both paths of each kernel; (b) prefill, decoder step, sampling and commit, on and off.
   for name in ("attention sliding B=1", "attention full B=1", "MoE expert MLP B=1",
-               "prefill 32 tokens B=1", "decoder step B=2", "sampling step B=1",
+               "prefill 32 tokens B=1", "decoder step B=2", "sampling step B=2",
                "canvas commit B=1"):
     assert {r["kernels"] for r in rows if r["measurement"] == name} == {"on", "off"}, name
   # (c) 32 tokens = 2 canvases of 16 at the fixed 2 steps each, never stopped early.

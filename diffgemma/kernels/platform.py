@@ -26,6 +26,11 @@ import jax.extend.core
 from jax.experimental import pallas as pl
 from jax.interpreters import mlir
 
+try:
+  _ShapedArray = jax.core.ShapedArray
+except AttributeError:  # newer jax keeps it only internally
+  from jax._src.core import ShapedArray as _ShapedArray  # pylint: disable=g-import-not-at-top
+
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 CPU = "cpu"
 
@@ -83,7 +88,7 @@ def pallas_call(kernel, *, interpret: bool, guarded: bool, compiler_params, name
              "lowered for another platform; trace it inside diffgemma.kernels.platform.target("
              "PLATFORM)")
   leaves, treedef = jax.tree_util.tree_flatten(out_shape)
-  avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
+  avals = tuple(_ShapedArray(x.shape, x.dtype) for x in leaves)
 
   def interpreted(*args):
     return tuple(jax.tree_util.tree_leaves(call(*args)))
