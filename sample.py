@@ -13,6 +13,7 @@ after every denoising step:
 
 `--trace=FILE.gif` (Sudoku) draws the grid at every step as an animation; `--trace=FILE.html`
 (either mode) writes the canvas tokens of every step, shaded by entropy (diffgemma/traces.py).
+Either mode takes --quantize=int8|int4: the weights quantized (weight-only) before sampling.
 """
 
 import json
@@ -43,6 +44,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
 _TRACE = flags.DEFINE_string(
     "trace", None, "Write a denoising trace: FILE.gif (Sudoku: the grid at every step) or "
     "FILE.html (any task: the canvas tokens at every step, shaded by entropy, accepted marked).")
+_QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
+                              "(weight-only; diffgemma/quantize.py defaults) before sampling.")
 
 
 def main(argv):
@@ -100,6 +103,7 @@ def sample_text():
   from diffgemma import checkpoint_io, sampler
 
   model_cfg, params = checkpoint_io.load_model(path, dtype=_DTYPE.value)
+  params = _maybe_quantize(params)
   if max(prompt_ids) >= model_cfg.vocab_size:
     raise cli.UserError(f"the tokenizer in {path} gives id {max(prompt_ids)}, outside the "
                         f"model's vocabulary of {model_cfg.vocab_size}")
@@ -142,6 +146,15 @@ def sample_text():
                                    lambda t: tok.decode([t], skip_special_tokens=False),
                                    title=f"Denoising trace: {text[:80]}")
     print(f"trace: {_TRACE.value} ({rows} denoising steps)")
+
+
+def _maybe_quantize(params):
+  """--quantize: the weight-only int8 / int4 base (diffgemma/quantize.py defaults)."""
+  if not _QUANTIZE.value:
+    return params
+  from diffgemma import quantize
+
+  return quantize.quantize_params(params, quantize.QuantizeConfig(_QUANTIZE.value))
 
 
 def _read_json(path: str) -> dict:
@@ -200,6 +213,7 @@ def sample_run():
     except ValueError as e:
       raise cli.UserError(str(e)) from None
   run.load()
+  run.params = _maybe_quantize(run.params)
   generate_fn = sampler.make_generate_fn(run.model_cfg, run.sampler_cfg)
   out = jax.device_get(generate_fn(run.params, prompts.prompt_NxP, prompts.valid_NxP,
                                    jax.random.PRNGKey(_SEED.value)))

@@ -176,6 +176,7 @@ def run(main, argv=None):
     tokenizer,
     workdir_lock,
   )
+  from diffgemma.kernels import platform
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv))
   quiet_library_logs()
@@ -183,7 +184,7 @@ def run(main, argv=None):
                  checkpointing.CheckpointError, hf_weights.WeightMappingError,
                  safetensors_io.CheckpointFormatError, tokenizer.TokenizerError,
                  workdir_lock.WorkdirLockError, resume_config.ResumeConfigError,
-                 run_guard.RunFailure)
+                 run_guard.RunFailure, platform.KernelPlatformError)
   try:
     main(argv)
   except user_errors as e:

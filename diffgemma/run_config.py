@@ -12,7 +12,7 @@ import dataclasses
 
 import ml_collections
 
-from diffgemma import config_checks, lora, losses, optimizer, sampler, sharding
+from diffgemma import config_checks, lora, losses, optimizer, quantize, sampler, sharding
 from diffgemma.config import ModelConfig
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -101,6 +101,16 @@ def lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig:
   return cfg
 
 
+def quantize_config(config: ml_collections.ConfigDict) -> quantize.QuantizeConfig | None:
+  """A QLoRA run's base quantization: lora.base_dtype "int8" / "int4", refined by an optional
+  `quantize` section (quantize.QuantizeConfig fields but dtype); None for any other run."""
+  lora_cfg = lora_config(config)
+  if not lora_cfg.enabled or lora_cfg.base_dtype not in quantize.QTYPES:
+    return None
+  fields = config.quantize.to_dict() if "quantize" in config else {}
+  return quantize.QuantizeConfig(dtype=lora_cfg.base_dtype, **fields)
+
+
 def sharding_config(config: ml_collections.ConfigDict) -> sharding.ShardingConfig:
   if "sharding" not in config:
     return sharding.ShardingConfig()
@@ -118,4 +128,5 @@ def validate(config: ml_collections.ConfigDict) -> None:
   train = train_config(config)
   model_config(config), loss_config(config), sampler_config(config)
   optimizer_config(config), lora_config(config), sharding_config(config)
+  quantize_config(config)
   del train

@@ -15,7 +15,16 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from diffgemma import checkpoint_io, checkpointing, lora, model, optimizer, run_config, sharding
+from diffgemma import (
+  checkpoint_io,
+  checkpointing,
+  lora,
+  model,
+  optimizer,
+  quantize,
+  run_config,
+  sharding,
+)
 from diffgemma.config import NUMERICS_FIELDS, ModelConfig
 
 
@@ -31,6 +40,7 @@ class Setup:
   rules: dict
   tx: Any
   schedule: Any
+  quantize_cfg: quantize.QuantizeConfig | None = None  # QLoRA: the frozen base's quantization
 
   @property
   def uses_lora(self) -> bool:
@@ -49,7 +59,7 @@ def make_setup(config: ml_collections.ConfigDict, mesh=None) -> Setup:
   shard_cfg = run_config.sharding_config(config)
   mesh = mesh or sharding.make_mesh(shard_cfg)
   return Setup(train_cfg, run_config.model_config(config), run_config.loss_config(config),
-               lora_cfg, mesh, shard_cfg.rules, tx, schedule)
+               lora_cfg, mesh, shard_cfg.rules, tx, schedule, run_config.quantize_config(config))
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -104,7 +114,11 @@ def load_initial_params(config: ml_collections.ConfigDict, init_from: str, mesh=
 
 
 def base_params_shape(setup: Setup):
-  """Shapes of the frozen base of a LoRA run (in lora.base_dtype)."""
+  """Shapes of the frozen base of a LoRA run (in lora.base_dtype; QLoRA: quantized from the
+  model's param_dtype)."""
+  if setup.quantize_cfg is not None:
+    shapes = model.abstract_params(setup.model_cfg)
+    return jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), shapes)
   cfg = setup.model_cfg.replace(param_dtype=setup.lora_cfg.base_dtype)
   return model.abstract_params(cfg)
 
@@ -122,8 +136,24 @@ def load_frozen_base(config, setup: Setup):
   if not init_from:
     raise ValueError("a LoRA run fine-tunes a base model: pass --init_from=DIR (a checkpoint "
                      "or a training workdir)")
+  if setup.quantize_cfg is not None:
+    return _load_quantized_base(config, init_from, setup)
   return load_initial_params(config, init_from, setup.mesh, setup.rules,
                              dtype=setup.lora_cfg.base_dtype)
+
+
+def _load_quantized_base(config, init_from: str, setup: Setup):
+  """QLoRA: the base read into host memory in model.param_dtype, then quantized one weight at a
+  time onto the mesh (the devices never hold the float base)."""
+  try:
+    host = jax.local_devices(backend="cpu")[0]
+  except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it): load on the default device
+    host = None
+  with jax.default_device(host):
+    params = load_initial_params(config, init_from, dtype=config.model.param_dtype)
+  shapes = jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), params)
+  return quantize.quantize_params(params, setup.quantize_cfg,
+                                  sharding.tree_shardings(shapes, setup.mesh, setup.rules))
 
 
 def model_params(trainable, frozen, lora_cfg: lora.LoraConfig, dropout_rng=None):
