@@ -4,6 +4,7 @@
   python eval.py --workdir=DIR --data=HELDOUT.jsonl --metric=exact|choice|gsm8k|regex \
       [--answer_regex=RE]                                   # chat runs
   python eval.py --init_from=CHECKPOINT_DIR --data=FILE --config=CONFIG
+  python eval.py --workdir=DIR --data=FILE --quantize=int4            # a quantized base
 
 The task of the run (config.task.name) reads the file: a Kaggle-format CSV of puzzles for
 Sudoku, a JSONL of conversations for chat (the last assistant turn is the reference). Every
@@ -37,6 +38,8 @@ _ANSWER_REGEX = flags.DEFINE_string("answer_regex", None, "Chat tasks, --metric=
                                     "answer is the regex's first group.")
 _PREDICTIONS = flags.DEFINE_string("predictions", None, "Where to write the predictions JSONL "
                                    "(default: inside --workdir).")
+_QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
+                              "(weight-only; diffgemma/quantize.py defaults) before sampling.")
 _TRAJECTORY = flags.DEFINE_bool(
     "trajectory_stats", False, "Record the sampler's trajectories; add settle_steps_per_canvas "
     "(the mean step from which the argmax canvas stopped changing) and the task's step_profile "
@@ -56,7 +59,9 @@ def eval_overrides() -> dict:
 
 def main(argv):
   del argv
-  if bool(_WORKDIR.value) == bool(_INIT_FROM.value) or not _DATA.value:
+  if _WORKDIR.value and _INIT_FROM.value:
+    raise cli.UserError("give one of --workdir or --init_from, not both")
+  if not (_WORKDIR.value or _INIT_FROM.value) or not _DATA.value:
     raise cli.UserError("--data and one of --workdir or --init_from are required")
   if _LIMIT.value is not None and _LIMIT.value <= 0:
     raise cli.UserError(f"--limit must be positive, got {_LIMIT.value}")
@@ -74,13 +79,20 @@ def main(argv):
     run = runs.open_checkpoint(_INIT_FROM.value, config, eval_overrides=eval_overrides(),
                                **overrides)
   prompts = run.task.load_eval_file(_DATA.value, _LIMIT.value)  # checked before the weights
+  if not len(prompts):
+    raise cli.UserError(f"no examples in {_DATA.value}")
   run.load()
+  if _QUANTIZE.value:
+    from diffgemma import quantize
+
+    run.params = quantize.quantize_params(run.params, quantize.QuantizeConfig(_QUANTIZE.value))
   batch = _BATCH.value or run.config.eval.batch_size
   with tqdm(total=len(prompts), desc="eval", unit="example") as bar:
     metrics, predictions = evaluation.evaluate(
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
         progress=bar, warmup=True)
-  metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value))
+  metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value),
+                 quantize=_QUANTIZE.value or "none")
   path = _PREDICTIONS.value
   if path is None and _WORKDIR.value:
     name = os.path.splitext(os.path.basename(_DATA.value))[0]

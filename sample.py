@@ -10,6 +10,10 @@ reply ends at EOS or at the end-of-turn marker. Sudoku, from a training run, sho
 after every denoising step:
 
   python sample.py --workdir=/tmp/sudoku --puzzle=53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79
+
+`--trace=FILE.gif` (Sudoku) draws the grid at every step as an animation; `--trace=FILE.html`
+(either mode) writes the canvas tokens of every step, shaded by entropy (diffgemma/traces.py).
+Either mode takes --quantize=int8|int4: the weights quantized (weight-only) before sampling.
 """
 
 import json
@@ -37,13 +41,25 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "A training run: its task reads 
 _PUZZLE = flags.DEFINE_string("puzzle", None, "Sudoku runs: 81 characters, row by row; "
                               "'.' or '0' = blank (the same as --prompt).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
+_TRACE = flags.DEFINE_string(
+    "trace", None, "Write a denoising trace: FILE.gif (Sudoku: the grid at every step) or "
+    "FILE.html (any task: the canvas tokens at every step, shaded by entropy, accepted marked).")
+_QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
+                              "(weight-only; diffgemma/quantize.py defaults) before sampling.")
 
 
 def main(argv):
   del argv
-  if _INIT_FROM.value is not None and _WORKDIR.value is not None:
-    raise cli.UserError("choose a checkpoint (--init_from) or a training run (--workdir), not "
-                        "both")
+  if _INIT_FROM.value is not None and (_WORKDIR.value is not None or _PUZZLE.value is not None):
+    raise cli.UserError("choose a checkpoint (--init_from, --prompt) or a training run "
+                        "(--workdir, --prompt or --puzzle), not both")
+  if _TRACE.value and _INIT_FROM.value is not None:
+    from diffgemma import traces
+
+    try:
+      traces.check_trace_path(_TRACE.value)  # text replies: HTML
+    except ValueError as e:
+      raise cli.UserError(str(e)) from None
   if _WORKDIR.value is not None:
     sample_run()
   elif _INIT_FROM.value is not None:
@@ -87,13 +103,15 @@ def sample_text():
   from diffgemma import checkpoint_io, sampler
 
   model_cfg, params = checkpoint_io.load_model(path, dtype=_DTYPE.value)
+  params = _maybe_quantize(params)
   if max(prompt_ids) >= model_cfg.vocab_size:
     raise cli.UserError(f"the tokenizer in {path} gives id {max(prompt_ids)}, outside the "
                         f"model's vocabulary of {model_cfg.vocab_size}")
   defaults = sampler.SamplerConfig()
   max_new = _MAX_NEW_TOKENS.value or defaults.max_new_tokens
   stops = _stop_ids(path, hf_config, tok, model_cfg)
-  sampler_cfg = defaults.replace(max_new_tokens=max_new, stop_token_ids=stops)
+  sampler_cfg = defaults.replace(max_new_tokens=max_new, stop_token_ids=stops,
+                                 record_trajectory=bool(_TRACE.value))
   slots = math.ceil(max_new / model_cfg.canvas_length) * model_cfg.canvas_length
   if context is not None and len(prompt_ids) + slots > context:
     raise cli.UserError(
@@ -121,6 +139,22 @@ def sample_text():
         f"{float(out['steps_per_canvas'][0]):.1f} steps per canvas; "
         f"{num_tokens / max(seconds, 1e-9):.1f} tokens/s "
         f"({seconds:.2f}s, compile {compiled - start:.1f}s)]")
+  if _TRACE.value:
+    from diffgemma import traces
+
+    rows = traces.write_text_trace(_TRACE.value, out["trajectory"],
+                                   lambda t: tok.decode([t], skip_special_tokens=False),
+                                   title=f"Denoising trace: {text[:80]}")
+    print(f"trace: {_TRACE.value} ({rows} denoising steps)")
+
+
+def _maybe_quantize(params):
+  """--quantize: the weight-only int8 / int4 base (diffgemma/quantize.py defaults)."""
+  if not _QUANTIZE.value:
+    return params
+  from diffgemma import quantize
+
+  return quantize.quantize_params(params, quantize.QuantizeConfig(_QUANTIZE.value))
 
 
 def _read_json(path: str) -> dict:
@@ -171,7 +205,15 @@ def sample_run():
 
   run = runs.open_run(_WORKDIR.value, record_trajectory=True)
   prompts = run.task.prompt_from_text(text)  # checked before the weights load
+  if _TRACE.value:
+    from diffgemma import traces
+
+    try:
+      traces.check_trace_path(_TRACE.value, run.task.trace_suffixes)
+    except ValueError as e:
+      raise cli.UserError(str(e)) from None
   run.load()
+  run.params = _maybe_quantize(run.params)
   generate_fn = sampler.make_generate_fn(run.model_cfg, run.sampler_cfg)
   out = jax.device_get(generate_fn(run.params, prompts.prompt_NxP, prompts.valid_NxP,
                                    jax.random.PRNGKey(_SEED.value)))
@@ -194,6 +236,9 @@ def sample_run():
   verdict = run.task.verdict(prompts, out["tokens"][0])
   if verdict:
     print(verdict)
+  if _TRACE.value:
+    frames = run.task.write_trace(_TRACE.value, prompts, trajectory)
+    print(f"trace: {_TRACE.value} ({frames} denoising steps)")
 
 
 if __name__ == "__main__":

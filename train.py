@@ -65,7 +65,11 @@ def main(argv):
     report = memory_plan.dry_run(_CONFIG.value, init_from=_INIT_FROM.value)
     print(memory_plan.format_report(report, _CONFIG.value))
     return
-  train_loop.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value)
+  # The keys set on the command line: on resume, only they can change an --init_from run's
+  # architecture (see resume_config.reconcile).
+  overridden = set(config_flags.get_override_values(flags.FLAGS["config"]))
+  train_loop.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value,
+                   overridden=overridden)
 
 
 if __name__ == "__main__":

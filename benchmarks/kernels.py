@@ -27,18 +27,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from diffgemma import model  # noqa: E402
+from diffgemma import attention_mask, model  # noqa: E402
 from diffgemma.config import FULL, SLIDING, gemma_26b_a4b  # noqa: E402
 from diffgemma.kernels import attention as attention_kernel  # noqa: E402
 from diffgemma.kernels import moe as moe_kernel  # noqa: E402
 
-_SMOKE = flags.DEFINE_bool("smoke", False, "Small shapes (CPU, interpret mode): checks only.")
-_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
-_PREFIX = flags.DEFINE_integer("prefix", 4096, "Cached prefix length.")
-_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed calls per measurement (median).")
-_STEP_LAYERS = flags.DEFINE_integer("step_layers", 6, "Layers of the scaled-down model "
-                                    "(6 = one sliding period: 5 sliding + 1 full).")
-_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Activation and weight dtype.")
+SMOKE_OVERRIDES = dict(  # the 26B-A4B structure at CPU size (benchmarks' --smoke)
+    hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, global_head_dim=128,
+    num_global_kv_heads=1, sliding_window=48, num_experts=16, top_k_experts=4,
+    moe_intermediate_size=64, intermediate_size=192, vocab_size=512, canvas_length=32)
+SMOKE_PREFIX = 96
 
 
 def timed(fn, *args, repeats: int) -> float:
@@ -63,7 +61,10 @@ def device_peaks(dtype, smoke: bool, repeats: int) -> tuple[float, float]:
   return flops, 2 * x.nbytes / seconds  # read + write
 
 
-def report(name, seconds_xla, seconds_pallas, flops, bytes_min, peaks):
+def report(result: dict, peaks):
+  """One line: both times, the kernel's achieved rates and its ratio to the roofline floor."""
+  name, seconds_xla, seconds_pallas = result["name"], result["xla_s"], result["pallas_s"]
+  flops, bytes_min = result["flops"], result["bytes"]
   floor = max(flops / peaks[0], bytes_min / peaks[1])
   print(f"{name:<42} xla {seconds_xla * 1e3:9.3f} ms | pallas {seconds_pallas * 1e3:9.3f} ms | "
         f"speedup {seconds_xla / seconds_pallas:5.2f}x | pallas {flops / seconds_pallas / 1e12:7.2f} "
@@ -71,7 +72,9 @@ def report(name, seconds_xla, seconds_pallas, flops, bytes_min, peaks):
         f"({seconds_pallas / floor:5.2f}x of floor)")
 
 
-def bench_attention(cfg, layer_type, batch, prefix, dtype, peaks, repeats, rng):
+def bench_attention(cfg, layer_type, batch, prefix, dtype, repeats, rng) -> dict:
+  """Canvas attention, XLA path against the Pallas kernel: {name, xla_s, pallas_s, flops,
+  bytes (the minimum traffic: q, out and the visible K/V once), err}."""
   canvas, heads = cfg.canvas_length, cfg.num_heads
   hd = cfg.head_dim if layer_type == SLIDING else cfg.global_head_dim
   kv = cfg.num_kv_heads if layer_type == SLIDING else cfg.num_global_kv_heads
@@ -86,7 +89,7 @@ def bench_attention(cfg, layer_type, batch, prefix, dtype, peaks, repeats, rng):
   pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, slots))
   valid = jnp.ones((batch, slots), bool)
   xla = jax.jit(lambda q, k, v: model.attend(
-      q, k, v, model.attention_mask(anchor, limit, pos, valid, window)))
+      q, k, v, attention_mask.attention_mask(anchor, limit, pos, valid, window)))
   pallas = jax.jit(lambda q, k, v: attention_kernel.canvas_attention(
       q, k, v, anchor, limit, pos, valid, window))
   err = float(jnp.max(jnp.abs(xla(q, k, v).astype(jnp.float32) -
@@ -95,12 +98,15 @@ def bench_attention(cfg, layer_type, batch, prefix, dtype, peaks, repeats, rng):
   flops = 4 * batch * heads * canvas * visible * hd
   itemsize = jnp.dtype(dtype).itemsize
   bytes_min = itemsize * batch * (2 * canvas * heads * hd + 2 * visible * kv * hd)
-  report(f"attention {layer_type[:7]} B={batch} hd={hd} (err {err:.1e})",
-         timed(xla, q, k, v, repeats=repeats), timed(pallas, q, k, v, repeats=repeats), flops,
-         bytes_min, peaks)
+  return {"name": f"attention {layer_type[:7]} B={batch} hd={hd} (err {err:.1e})",
+          "xla_s": timed(xla, q, k, v, repeats=repeats),
+          "pallas_s": timed(pallas, q, k, v, repeats=repeats), "flops": flops,
+          "bytes": bytes_min, "err": err}
 
 
-def bench_moe(cfg, batch, dtype, peaks, repeats, rng):
+def bench_moe(cfg, batch, dtype, repeats, rng) -> dict:
+  """The expert MLP, jax.lax.ragged_dot against the Pallas grouped kernel (keys as
+  bench_attention; bytes: the used experts' weights and the rows in and out once)."""
   tokens = batch * cfg.canvas_length
   d, inter, experts, top_k = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                               cfg.top_k_experts)
@@ -132,9 +138,10 @@ def bench_moe(cfg, batch, dtype, peaks, repeats, rng):
   used = int(jnp.sum(group_sizes > 0))
   itemsize = jnp.dtype(dtype).itemsize
   bytes_min = itemsize * (used * 3 * d * inter + 2 * rows * d)
-  report(f"moe B={batch} tokens={tokens} experts used {used} (rel err {err:.1e})",
-         timed(xla, x_sorted, gate_up, down, repeats=repeats),
-         timed(pallas, x_sorted, gate_up, down, repeats=repeats), flops, bytes_min, peaks)
+  return {"name": f"moe B={batch} tokens={tokens} experts used {used} (rel err {err:.1e})",
+          "xla_s": timed(xla, x_sorted, gate_up, down, repeats=repeats),
+          "pallas_s": timed(pallas, x_sorted, gate_up, down, repeats=repeats), "flops": flops,
+          "bytes": bytes_min, "err": err}
 
 
 def bench_denoising_step(cfg, batch, prefix, repeats, rng):
@@ -165,34 +172,40 @@ def bench_denoising_step(cfg, batch, prefix, repeats, rng):
 
 def main(argv):
   del argv
-  dtype = jnp.dtype(_DTYPE.value)
-  smoke = _SMOKE.value
-  full = gemma_26b_a4b(param_dtype=_DTYPE.value, compute_dtype=_DTYPE.value)
-  prefix, repeats = _PREFIX.value, _REPEATS.value
+  f = flags.FLAGS
+  dtype = jnp.dtype(f.dtype)
+  smoke = f.smoke
+  full = gemma_26b_a4b(param_dtype=f.dtype, compute_dtype=f.dtype)
+  prefix, repeats = f.prefix, f.repeats
   if smoke:  # the same structure at CPU size (Pallas interprets)
-    full = full.replace(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                        global_head_dim=128, num_global_kv_heads=1, sliding_window=48,
-                        num_experts=16, top_k_experts=4, moe_intermediate_size=64,
-                        intermediate_size=192, vocab_size=512, canvas_length=32)
-    prefix, repeats = 96, 2
+    full = full.replace(**SMOKE_OVERRIDES)
+    prefix, repeats = SMOKE_PREFIX, 2
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
         f", dtype {dtype.name}{' [smoke: interpret mode, times not meaningful]' if smoke else ''}")
   peaks = device_peaks(dtype, smoke, repeats)
   print(f"measured peak: {peaks[0] / 1e12:.1f} TFLOP/s (matmul), {peaks[1] / 1e9:.0f} GB/s (copy)")
   rng = jax.random.PRNGKey(0)
-  for batch in map(int, _BATCHES.value):
+  for batch in map(int, f.batches):
     for layer_type in (SLIDING, FULL):
-      bench_attention(full, layer_type, batch, prefix, dtype, peaks, repeats, rng)
-    bench_moe(full, batch, dtype, peaks, repeats, rng)
-  layers = _STEP_LAYERS.value
+      report(bench_attention(full, layer_type, batch, prefix, dtype, repeats, rng), peaks)
+    report(bench_moe(full, batch, dtype, repeats, rng), peaks)
+  layers = f.step_layers
   scaled = full.replace(num_layers=layers, layer_types=())
   # Agreement in float32 first (bfloat16 rounding differs between any two kernels), then the
   # step times in the benchmark dtype.
   bench_denoising_step(scaled.replace(param_dtype="float32", compute_dtype="float32"), 1,
                        prefix, 1, rng)
-  for batch in map(int, _BATCHES.value):
+  for batch in map(int, f.batches):
     bench_denoising_step(scaled, batch, prefix, repeats, rng)
 
 
 if __name__ == "__main__":
+  # Defined here, not at import: gpu_suite.py imports this module's functions.
+  flags.DEFINE_bool("smoke", False, "Small shapes (CPU, interpret mode): checks only.")
+  flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
+  flags.DEFINE_integer("prefix", 4096, "Cached prefix length.")
+  flags.DEFINE_integer("repeats", 10, "Timed calls per measurement (median).")
+  flags.DEFINE_integer("step_layers", 6, "Layers of the scaled-down model (6 = one sliding "
+                       "period: 5 sliding + 1 full).")
+  flags.DEFINE_string("dtype", "bfloat16", "Activation and weight dtype.")
   app.run(main)

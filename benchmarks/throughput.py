@@ -34,7 +34,7 @@ def time_training(config, steps: int) -> float:
   state = run_state.init_state(config, setup)
   stage = trainer.SftStage(config, make_task(config), setup)
   step_fn = trainer.make_update_step(setup, stage.loss_fn)
-  stage.start(state, None, 0)
+  stage.start(state, None, 0, os.getcwd())
   batch_list = [stage.next_batch(i, state, None)[0] for i in range(steps + 1)]
   state, metrics = step_fn(state, None, batch_list[0])
   jax.block_until_ready(metrics)

@@ -73,6 +73,10 @@ def get_config(variant: str = "count"):
   c.log_every = 20
   c.checkpoint_every = 250
   c.keep_checkpoints = 2
+  # A step whose loss or gradient norm is not finite: "stop" the run there (nothing of it is
+  # saved), or "skip" it (no update) at most max_nonfinite_skips times.
+  c.on_nonfinite = "stop"
+  c.max_nonfinite_skips = 10
 
   c.task = ml_collections.ConfigDict(dict(name="chat"))
 
@@ -119,5 +123,5 @@ def get_config(variant: str = "count"):
 
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=1000, num_examples=64, batch_size=64, metric="exact", answer_regex="",
-      seed=12345))
+      seed=12345, trace_examples=2))  # trace_examples: denoising traces drawn in TensorBoard
   return c

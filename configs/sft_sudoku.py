@@ -21,6 +21,10 @@ def get_config():
   c.log_every = 20
   c.checkpoint_every = 250
   c.keep_checkpoints = 2
+  # A step whose loss or gradient norm is not finite: "stop" the run there (nothing of it is
+  # saved), or "skip" it (no update) at most max_nonfinite_skips times.
+  c.on_nonfinite = "stop"
+  c.max_nonfinite_skips = 10
 
   # Model: DiffusionGemma architecture at Sudoku size; every ModelConfig field is a config key.
   c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig(
@@ -68,5 +72,6 @@ def get_config():
 
   # Periodic evaluation on held-out generated puzzles (seed differs from training data).
   c.eval = ml_collections.ConfigDict(dict(
-      every_steps=650, num_puzzles=64, min_givens=38, max_givens=46, seed=12345, batch_size=64))
+      every_steps=650, num_puzzles=64, min_givens=38, max_givens=46, seed=12345, batch_size=64,
+      trace_examples=2))  # denoising traces of the first examples, drawn in TensorBoard
   return c

@@ -105,23 +105,24 @@ def load_workdir(path: str, dtype: str | None = None, shardings=None, step: int 
   saved = checkpointing.load_config(path)
   cfg = run_config.model_config(saved)
   lora_cfg = run_config.lora_config(saved)
-  if step is None:
-    step = checkpointing.latest_step(path)
-    if step is None:
-      raise checkpointing.CheckpointError(
-          f"no checkpoint in {checkpointing.checkpoint_dir(path)!r} (train first, or check "
-          "the workdir)")
 
-  def placed(shapes, prefix=()):
+  def placed(shapes):
     def target(p, leaf):
-      sh = _sharding_at(shardings, prefix + _path_keys(p)) if not lora_cfg.enabled else None
+      sh = _sharding_at(shardings, _path_keys(p)) if not lora_cfg.enabled else None
       return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh or
                                   jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     return jax.tree_util.tree_map_with_path(target, shapes)
 
+  def read(target):
+    """The subtree `target` of checkpoint `step`, else of the newest readable checkpoint."""
+    if step is not None:
+      return checkpointing.restore_subtree(path, step, target), step
+    return checkpointing.restore_latest(
+        path, read=lambda s: checkpointing.restore_subtree(path, s, target))
+
   if not lora_cfg.enabled:
-    target = {"params": placed(model.abstract_params(cfg))}
-    params = checkpointing.restore_subtree(path, step, target)["params"]
+    restored, step = read({"params": placed(model.abstract_params(cfg))})
+    params = restored["params"]
   else:
     base_cfg = cfg.replace(param_dtype=lora_cfg.base_dtype)
     base_shape = model.abstract_params(base_cfg)
@@ -130,7 +131,7 @@ def load_workdir(path: str, dtype: str | None = None, shardings=None, step: int 
     target = {"params": placed(adapter_shape)}
     if lora_cfg.save_base:
       target["base"] = placed(base_shape)
-    restored = checkpointing.restore_subtree(path, step, target)
+    restored, step = read(target)
     base = restored.get("base")
     if base is None:
       if not saved.get("init_from"):

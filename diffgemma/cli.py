@@ -1,7 +1,14 @@
-"""Shared command-line plumbing: `--config=NAME` resolution and one-line user errors."""
+"""Shared command-line plumbing: `--config=NAME` resolution and one-line user errors.
+
+Library chatter is kept off the terminal: orbax logs every failed background write (with its
+traceback) before the error reaches us, and its asyncio threads print "Event loop is closed"
+while a failed process exits. `run` drops those (set DIFFGEMMA_LIBRARY_LOGS=1 to see them), so
+a failure is the one `error:` line.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -25,7 +32,8 @@ def resolve_config_argv(argv: list[str]) -> list[str]:
       if not name.endswith(".py") and not os.path.sep in name:
         candidate = os.path.join(CONFIG_DIR, name + ".py")
         if not os.path.exists(candidate):
-          known = sorted(f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py"))
+          known = sorted(f[:-3] for f in os.listdir(CONFIG_DIR)
+                         if f.endswith(".py") and not f.startswith("_"))
           fail(f"unknown config {name!r}; available: {', '.join(known)}")
         value = candidate + (":" + rest if rest else "")
       elif not os.path.exists(name):
@@ -50,13 +58,11 @@ def fail(message: str, code: int = 2):
   sys.exit(code)
 
 
-def parse_flags_or_fail(argv: list[str]) -> list[str]:
-  """Parse absl flags, turning any flag/config-override problem into a one-line error."""
-  try:
-    return flags.FLAGS(resolve_config_argv(argv))
-  except flags.Error as e:
-    fail(str(e).splitlines()[0])
-  except (KeyError, AttributeError) as e:
+def _flag_error_message(e: Exception, argv: list[str]) -> str:
+  """One line for an error absl or ml_collections raised while parsing `argv`."""
+  if isinstance(e, flags.Error):
+    return str(e).splitlines()[0]
+  if isinstance(e, (KeyError, AttributeError)):
     # ml_collections reports an unknown override key as AttributeError(KeyError("'key'...")),
     # sometimes followed by a "Did you mean" hint.
     text = str(e.args[0]) if e.args else ""
@@ -65,10 +71,35 @@ def parse_flags_or_fail(argv: list[str]) -> list[str]:
     overrides = [a.split("=")[0][len("--config."):] for a in argv if a.startswith("--config.")]
     culprit = next((o for o in overrides if o.split(".")[-1] == key), key)
     hint = re.search(r'Did you mean "(\w+)"', text)
-    fail(f"unknown config key {culprit!r}" +
-         (f" (did you mean {hint.group(1)!r}?)" if hint else "; see the config file for the keys"))
-  except (KeyError, AttributeError, ValueError, TypeError) as e:
-    fail(_one_line(e))
+    return (f"unknown config key {culprit!r}" +
+            (f" (did you mean {hint.group(1)!r}?)" if hint
+             else "; see the config file for the keys"))
+  return _one_line(e)
+
+
+def parse_flags_or_fail(argv: list[str]) -> list[str]:
+  """Parse absl flags, turning any flag/config-override problem into a one-line error."""
+  try:
+    return flags.FLAGS(resolve_config_argv(argv))
+  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+    fail(_flag_error_message(e, argv))
+
+
+def parse_config(config_path: str, overrides: list[str]):
+  """The ConfigDict that `--config=config_path` plus `overrides` (["--config.KEY=VALUE", ...])
+  give train.py, parsed by the same ml_collections flag machinery (values typed by the
+  config's fields); any problem is a UserError with the one line train.py would print."""
+  from ml_collections import config_flags
+
+  argv = ["parse_config", f"--config={config_path}", *overrides]
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
+                                           sys_argv=argv)
+  try:
+    values(argv)
+  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+    raise UserError(_flag_error_message(e, argv)) from None
+  return holder.value
 
 
 def _one_line(e: BaseException) -> str:
@@ -76,21 +107,91 @@ def _one_line(e: BaseException) -> str:
   return (text[0] if text else type(e).__name__)
 
 
+def _in_checkpoint_library(tb) -> bool:
+  """Whether a traceback passes through orbax or tensorstore."""
+  while tb is not None:
+    name = tb.tb_frame.f_code.co_filename
+    if f"{os.sep}orbax{os.sep}" in name or f"{os.sep}tensorstore{os.sep}" in name:
+      return True
+    tb = tb.tb_next
+  return False
+
+
+class _LibraryLogFilter(logging.Filter):
+  """Drops log records (below CRITICAL) of the checkpoint library, and asyncio's: only orbax
+  runs event loops here, and asyncio reports each of its failed reads and writes again ("Task
+  exception was never retrieved") when the task is collected."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.CRITICAL:
+      return True
+    if f"{os.sep}orbax{os.sep}" in record.pathname or record.name == "asyncio":
+      return False
+    return not (record.exc_info and _in_checkpoint_library(record.exc_info[2]))
+
+
+def _from_checkpoint_library(unraisable) -> bool:
+  """An exception nobody could catch, raised by the checkpoint library's background I/O: a
+  tensorstore callback into an event loop orbax already closed after a failed write."""
+  e = unraisable.exc_value
+  if isinstance(e, RuntimeError) and "Event loop is closed" in str(e):
+    return True
+  return _in_checkpoint_library(unraisable.exc_traceback)
+
+
+def quiet_library_logs() -> None:
+  """Drop the checkpoint library's log records and uncatchable background exceptions (a
+  failed write is reported by the one error line it leads to)."""
+  if os.environ.get("DIFFGEMMA_LIBRARY_LOGS"):
+    return
+  log_filter = _LibraryLogFilter()
+  for logger in (logging.getLogger(), logging.getLogger("absl"), logging.getLogger("asyncio")):
+    logger.addFilter(log_filter)
+    for handler in logger.handlers:
+      handler.addFilter(log_filter)
+  if logging.lastResort is not None:  # prints records when no handler is configured
+    logging.lastResort.addFilter(log_filter)
+  default_hook = sys.unraisablehook
+  sys.unraisablehook = lambda u: None if _from_checkpoint_library(u) else default_hook(u)
+
+
+def _quiet_exit() -> None:
+  """Past the error line, exceptions that background threads raise while the interpreter
+  shuts down (orbax's event loops after a failed write) are not the user's business."""
+  if not os.environ.get("DIFFGEMMA_LIBRARY_LOGS"):
+    sys.unraisablehook = lambda unraisable: None
+
+
 def run(main, argv=None):
   """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2; a run that
   stopped on purpose, e.g. on a non-finite loss: 3)."""
   # local: keep flag parsing light
-  from diffgemma import checkpointing, errors, hf_weights, safetensors_io, tokenizer
+  from diffgemma import (
+    checkpointing,
+    errors,
+    hf_weights,
+    resume_config,
+    run_guard,
+    safetensors_io,
+    tokenizer,
+    workdir_lock,
+  )
+  from diffgemma.kernels import platform
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv))
+  quiet_library_logs()
   user_errors = (UserError, errors.InputError, errors.ConfigError,
                  checkpointing.CheckpointError, hf_weights.WeightMappingError,
-                 safetensors_io.CheckpointFormatError, tokenizer.TokenizerError)
+                 safetensors_io.CheckpointFormatError, tokenizer.TokenizerError,
+                 workdir_lock.WorkdirLockError, resume_config.ResumeConfigError,
+                 run_guard.RunFailure, platform.KernelPlatformError)
   try:
     main(argv)
   except user_errors as e:
+    _quiet_exit()
     fail(_one_line(e))
   except errors.RunStopped as e:
     fail(_one_line(e), code=3)
   except KeyboardInterrupt:
+    _quiet_exit()
     fail("interrupted", code=130)

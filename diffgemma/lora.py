@@ -12,6 +12,9 @@ without ever forming W + A @ B. The factors keep the weight's axes: W [in..., ou
 A [in..., r] and B [r, out...]; the stacked experts W [E, in, out] get a per-expert pair
 A [E, in, r], B [E, r, out], batched with the expert dimension. `merge` folds the adapters into
 the base for export or serving.
+
+The base may be quantized (QLoRA): a `quantize.QuantizedWeight` is one weight leaf like an array
+(`is_weight`), wrapped and merged the same way.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class LoraConfig:
     linear of the model (the report's "all linear operations").
   init: "kaiming_uniform" (A ~ U(+-1/sqrt(fan_in)), as PEFT) or "gaussian" (A ~ N(0, 1/rank));
     B starts at zero either way, so training starts from the base model exactly.
-  base_dtype: dtype the frozen base weights are stored in ("bfloat16" halves their memory).
+  base_dtype: dtype the frozen base weights are stored in ("bfloat16" halves their memory), or
+    "int8" / "int4": a weight-only quantized base (QLoRA; see quantize.py and the training
+    config's optional `quantize` section).
   """
 
   enabled: bool = False
@@ -118,10 +123,16 @@ def dotted(path) -> str:
   return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+def is_weight(x) -> bool:
+  """A weight leaf of a params tree: an array or a wrapper of one (`LoraWeight`, a quantized
+  weight), not a dict or list of them."""
+  return not isinstance(x, (dict, list, tuple))
+
+
 def target_paths(params: Params, cfg: LoraConfig) -> list[str]:
   """Dotted paths of the weights that get adapters, in tree order."""
   paths = []
-  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+  for path, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_weight)[0]:
     name = dotted(path)
     if linear_layout(name) and any(re.search(p, name) for p in cfg.targets):
       paths.append(name)
@@ -138,7 +149,8 @@ def factor_shapes(shape: tuple[int, ...], layout: tuple[int, int], rank: int):
 
 def init(params: Params, cfg: LoraConfig, rng) -> Params:
   """Float32 adapters {path: {"a", "b"}} for the targeted weights of `params` (B = 0)."""
-  leaves = {dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  leaves = {dotted(p): x for p, x in
+            jax.tree_util.tree_flatten_with_path(params, is_leaf=is_weight)[0]}
   adapters = {}
   for i, name in enumerate(target_paths(params, cfg)):
     layout = linear_layout(name)
@@ -172,7 +184,7 @@ def wrap(base: Params, adapters: Params, cfg: LoraConfig, dropout_rng=None) -> P
       key = jax.random.fold_in(dropout_rng, zlib.crc32(name.encode()))  # stable per name
     return LoraWeight(x, adapters[name]["a"], adapters[name]["b"], key, cfg.scale, cfg.dropout)
 
-  return jax.tree_util.tree_map_with_path(visit, base)
+  return jax.tree_util.tree_map_with_path(visit, base, is_leaf=is_weight)
 
 
 def merge_weight(base, a, b, scale: float, dtype=None):
@@ -197,5 +209,5 @@ def merge(base: Params, adapters: Params, cfg: LoraConfig, dtype=None) -> Params
       return x.astype(dtype or x.dtype)
     return merge_weight(x, adapters[name]["a"], adapters[name]["b"], cfg.scale, dtype)
 
-  return jax.tree_util.tree_map_with_path(visit, base)
+  return jax.tree_util.tree_map_with_path(visit, base, is_leaf=is_weight)
 

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from diffgemma import diffusion, model
 from diffgemma.config import ModelConfig
 
-
 ENCODER_SCOPES = ("off", "target", "prompt_and_target")
 CANVAS_SELECTIONS = ("one", "all")
 DECODER_WEIGHTINGS = ("flat", "inverse_t")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from diffgemma import run_state, sharding, trainer, train_loop
+from diffgemma import quantize, run_state, trainer, train_loop
 
 GIB = 2 ** 30
 
@@ -25,7 +25,7 @@ def _bytes_per_device(tree) -> int:
   total = 0
   for x in jax.tree_util.tree_leaves(tree):
     shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-    total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+    total += int(np.prod(shape)) * quantize.bits_per_value(x.dtype) // 8
   return total
 
 
@@ -51,11 +51,11 @@ def _compile(fn, *args):
   return compiled, time.perf_counter() - start
 
 
-def dry_run(config: ml_collections.ConfigDict, init_from: str | None = None) -> dict:
-  """{"programs": {name: memory report}, "devices", "mesh", per-device state sizes}: the
-  training step, and for SD·RL also the rollout; nothing is allocated. With `init_from` the
+def training_program(config: ml_collections.ConfigDict, init_from: str | None = None):
+  """(jitted update step, its abstract arguments (state, frozen, batch), setup, stage) of a
+  config on its mesh, as a run would build them; nothing is allocated. With `init_from` the
   architecture is read from that checkpoint's config (no weights read)."""
-  config, task, _ = train_loop.prepare_config(config, None, init_from, planning=True)
+  config, task, _, _ = train_loop.prepare_config(config, None, init_from, planning=True)
   setup = run_state.make_setup(config)
   stage = train_loop.make_stage(config, task, setup)
   frozen = None
@@ -70,6 +70,14 @@ def dry_run(config: ml_collections.ConfigDict, init_from: str | None = None) -> 
       setup, stage.loss_fn, jax.tree_util.tree_map(lambda x: x.sharding, state),
       None if frozen is None else jax.tree_util.tree_map(lambda x: x.sharding, frozen),
       batch_sh, stage.update_stream)
+  return step_fn, (state, frozen, batch), setup, stage
+
+
+def dry_run(config: ml_collections.ConfigDict, init_from: str | None = None) -> dict:
+  """{"programs": {name: memory report}, "devices", "mesh", per-device state sizes}: the
+  training step, and for SD·RL also the rollout; nothing is allocated. With `init_from` the
+  architecture is read from that checkpoint's config (no weights read)."""
+  step_fn, (state, frozen, batch), setup, stage = training_program(config, init_from)
   device_memory = setup.train_cfg.device_memory_gib
   programs = {"update step": _memory(*_compile(step_fn, state, frozen, batch), device_memory)}
   if hasattr(stage, "rollout_program"):

@@ -32,7 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma import errors, lora, sharding
+from diffgemma import attention_mask as mask_lib
+from diffgemma import errors, lora, quantize, sharding
+from diffgemma.kernels import attention as attention_kernel
+from diffgemma.kernels import moe as moe_kernel
 from diffgemma.config import SLIDING, ModelConfig
 
 Params = dict[str, Any]
@@ -58,8 +61,9 @@ def gelu_tanh(x):
 def linear(x, w, num_in_axes: int = 1):
   """The model's one linear map: x[..., in...] contracted with w[in..., out...].
 
-  `w` is an array (cast to x's dtype) or a `lora.LoraWeight`, computed as
-  x @ W + scale * (dropout(x) @ A) @ B without forming W + A @ B.
+  `w` is an array (cast to x's dtype), a `quantize.QuantizedWeight` (dequantized to x's dtype)
+  or a `lora.LoraWeight` (over either), computed as x @ W + scale * (dropout(x) @ A) @ B without
+  forming W + A @ B.
   """
   if isinstance(w, lora.LoraWeight):
     low_rank = jnp.tensordot(w.low_rank_input(x), w.a.astype(x.dtype), num_in_axes)
@@ -95,25 +99,9 @@ def apply_rope(x_BxTxHxd, positions_BxT, inv_freq):
   return x_BxTxHxd * cos + rotated * sin
 
 
-def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_window):
-  """The one attention mask of the model, [B, T, S] bool.
-
-  Key j is visible to query t when it is valid, not after the query's limit, and (on sliding
-  layers) after its window anchor minus the window:
-    kv_valid[j] and kv_pos[j] <= q_limit[t] and kv_pos[j] > q_anchor[t] - window.
-  Encoder (causal): anchor = limit = the query's own position.
-  Decoder (a canvas starting at L): anchor = L, limit = the canvas's last position, so every
-  canvas token sees the whole canvas and the last window-1 prefix tokens (the reference keeps
-  exactly that many in its sliding-window cache).
-  """
-  visible = kv_valid_BxS[:, None, :] & (kv_pos_BxS[:, None, :] <= q_limit_BxT[:, :, None])
-  if sliding_window is not None:
-    visible &= kv_pos_BxS[:, None, :] > q_anchor_BxT[:, :, None] - sliding_window
-  return visible
-
-
 class MaskSpec(NamedTuple):
-  """The ingredients of `attention_mask` for one layer type (window None = full attention)."""
+  """The ingredients of `mask_lib.attention_mask` for one layer type (window None = full
+  attention)."""
   q_anchor_BxT: jnp.ndarray
   q_limit_BxT: jnp.ndarray
   kv_pos_BxS: jnp.ndarray
@@ -128,7 +116,8 @@ def layer_mask_specs(cfg: ModelConfig, q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv
   for lt in set(cfg.layer_types):
     spec = MaskSpec(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS,
                     cfg.sliding_window if lt == SLIDING else None)
-    specs[lt] = (spec, None if cfg.attention_impl == "pallas" else attention_mask(*spec))
+    mask = None if cfg.attention_impl == "pallas" else mask_lib.attention_mask(*spec)
+    specs[lt] = (spec, mask)
   return specs
 
 
@@ -136,10 +125,6 @@ def attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, spec_and_mask, cfg: ModelConfig):
   """Attention by `cfg.attention_impl`: the XLA reference or the Pallas canvas kernel."""
   spec, mask_BxTxS = spec_and_mask
   if cfg.attention_impl == "pallas":
-    from diffgemma.kernels import (
-      attention as attention_kernel,  # local: the kernel imports us
-    )
-
     return attention_kernel.canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, *spec[:4],
                                              spec.window)
   return attend(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, mask_BxTxS)
@@ -185,7 +170,8 @@ def moe(x_NxD, weights_Nxk, index_Nxk, experts: Params, cfg: ModelConfig,
   them; for large models) or "pallas" (the grouped kernel in
   diffgemma/kernels/moe.py with fused gate/up and the combine weights in its epilogue).
   "expert_parallel" computes here as "tiled_scan" (`moe_expert_parallel` runs it per device).
-  Expert weights may be `lora.LoraWeight`s (per-expert adapters): see `expert_matmul`.
+  Expert weights may be `lora.LoraWeight`s (per-expert adapters) and `quantize.QuantizedWeight`s
+  (dequantized per tile): see `expert_matmul`.
   With `some_elsewhere` (the tiled layouts only), an index outside [0, E) is an expert held
   by another device: its assignment adds nothing here, and the tile loop of "tiled_scan" /
   "expert_parallel" stops after the last tile of the E experts' rows.
@@ -205,8 +191,6 @@ def moe(x_NxD, weights_Nxk, index_Nxk, experts: Params, cfg: ModelConfig,
   # Combine weights are applied per assignment, then scattered back: nothing of size E x N.
   row_weights_M = weights_Nxk.reshape(-1)[order_M]
   if cfg.moe_impl == "pallas":
-    from diffgemma.kernels import moe as moe_kernel  # local: Pallas only when asked for
-
     # The fused kernel takes plain weights: adapters are folded in, one layer at a time.
     gate_up_w, down_w = (w.merged(x_NxD.dtype) if isinstance(w, lora.LoraWeight)
                          else w.astype(x_NxD.dtype)
@@ -392,7 +376,7 @@ class ExpertGroups(NamedTuple):
 def expert_matmul(rows, w, groups: ExpertGroups, frozen: bool = False):
   """Each row (in `groups`' layout) times its expert's matrix, w [E, in, out]; a LoraWeight adds
   its per-expert low-rank path, (rows @ A_e) @ B_e, in the same grouped layout. `frozen`: w gets
-  no gradient (a LoRA base), so "tiled_scan" does not accumulate one."""
+  no gradient (a LoRA base, or any quantized weight), so "tiled_scan" does not accumulate one."""
   if isinstance(w, lora.LoraWeight):
     low_rank = expert_matmul(expert_matmul(w.low_rank_input(rows), w.a, groups), w.b, groups)
     return (expert_matmul(rows, w.base, groups, frozen=True)
@@ -400,6 +384,7 @@ def expert_matmul(rows, w, groups: ExpertGroups, frozen: bool = False):
   if groups.tile_expert_T is None:
     return jax.lax.ragged_dot(rows, w.astype(rows.dtype), groups.group_sizes_E)
   if groups.one_tile_at_a_time:
+    frozen = frozen or isinstance(w, quantize.QuantizedWeight)
     return _tile_matmul_scan(rows, w, groups.tile_expert_T, groups.used_tiles, not frozen)
   return jnp.einsum("nti,nio->nto", rows, w[groups.tile_expert_T].astype(rows.dtype))
 
@@ -468,7 +453,7 @@ def _tile_matmul_scan_bwd(weight_grad, residuals, grad_NxtxO):
   if not weight_grad:
     grad_rows = _scan_tiles_with_weights(lambda w, _, xs: (None, grad_rows_step(w, *xs)),
                                          w_ExIxO, None, xs, used_tiles)[1]
-    return grad_rows, jnp.zeros_like(w_ExIxO), None, None
+    return grad_rows, jax.tree_util.tree_map(_zero_cotangent, w_ExIxO), None, None
 
   def step(w, grad_w, xs):
     rows_txI, grad_txO, expert = xs
@@ -479,6 +464,13 @@ def _tile_matmul_scan_bwd(weight_grad, residuals, grad_NxtxO):
   grad_w, grad_rows = _scan_tiles_with_weights(
       step, w_ExIxO, jnp.zeros(w_ExIxO.shape, jnp.float32), xs, used_tiles)
   return grad_rows, grad_w.astype(w_ExIxO.dtype), None, None
+
+
+def _zero_cotangent(x):
+  """A zero cotangent for x (float0 for the integer values of a quantized weight)."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
 
 
 _tile_matmul_scan.defvjp(_tile_matmul_scan_fwd, _tile_matmul_scan_bwd)

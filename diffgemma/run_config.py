@@ -12,7 +12,7 @@ import dataclasses
 
 import ml_collections
 
-from diffgemma import lora, losses, optimizer, sampler, sharding
+from diffgemma import config_checks, lora, losses, optimizer, quantize, sampler, sharding
 from diffgemma.config import ModelConfig
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -101,6 +101,16 @@ def lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig:
   return cfg
 
 
+def quantize_config(config: ml_collections.ConfigDict) -> quantize.QuantizeConfig | None:
+  """A QLoRA run's base quantization: lora.base_dtype "int8" / "int4", refined by an optional
+  `quantize` section (quantize.QuantizeConfig fields but dtype); None for any other run."""
+  lora_cfg = lora_config(config)
+  if not lora_cfg.enabled or lora_cfg.base_dtype not in quantize.QTYPES:
+    return None
+  fields = config.quantize.to_dict() if "quantize" in config else {}
+  return quantize.QuantizeConfig(dtype=lora_cfg.base_dtype, **fields)
+
+
 def sharding_config(config: ml_collections.ConfigDict) -> sharding.ShardingConfig:
   if "sharding" not in config:
     return sharding.ShardingConfig()
@@ -114,10 +124,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   Raises ValueError / TypeError / KeyError with a one-line message (train.py prefixes it with
   "bad config:"). The task's sections are checked by `make_task`.
   """
+  config_checks.validate_run_config(config)
   train = train_config(config)
   model_config(config), loss_config(config), sampler_config(config)
   optimizer_config(config), lora_config(config), sharding_config(config)
-  opt = config.optimizer
-  if opt.warmup_steps > train.num_train_steps:
-    raise ValueError(f"optimizer.warmup_steps={opt.warmup_steps} exceeds num_train_steps="
-                     f"{train.num_train_steps}")
+  quantize_config(config)
+  del train

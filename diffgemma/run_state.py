@@ -15,7 +15,16 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from diffgemma import checkpoint_io, checkpointing, lora, model, optimizer, run_config, sharding
+from diffgemma import (
+  checkpoint_io,
+  checkpointing,
+  lora,
+  model,
+  optimizer,
+  quantize,
+  run_config,
+  sharding,
+)
 from diffgemma.config import NUMERICS_FIELDS, ModelConfig
 
 
@@ -31,6 +40,7 @@ class Setup:
   rules: dict
   tx: Any
   schedule: Any
+  quantize_cfg: quantize.QuantizeConfig | None = None  # QLoRA: the frozen base's quantization
 
   @property
   def uses_lora(self) -> bool:
@@ -49,7 +59,7 @@ def make_setup(config: ml_collections.ConfigDict, mesh=None) -> Setup:
   shard_cfg = run_config.sharding_config(config)
   mesh = mesh or sharding.make_mesh(shard_cfg)
   return Setup(train_cfg, run_config.model_config(config), run_config.loss_config(config),
-               lora_cfg, mesh, shard_cfg.rules, tx, schedule)
+               lora_cfg, mesh, shard_cfg.rules, tx, schedule, run_config.quantize_config(config))
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -104,7 +114,11 @@ def load_initial_params(config: ml_collections.ConfigDict, init_from: str, mesh=
 
 
 def base_params_shape(setup: Setup):
-  """Shapes of the frozen base of a LoRA run (in lora.base_dtype)."""
+  """Shapes of the frozen base of a LoRA run (in lora.base_dtype; QLoRA: quantized from the
+  model's param_dtype)."""
+  if setup.quantize_cfg is not None:
+    shapes = model.abstract_params(setup.model_cfg)
+    return jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), shapes)
   cfg = setup.model_cfg.replace(param_dtype=setup.lora_cfg.base_dtype)
   return model.abstract_params(cfg)
 
@@ -122,8 +136,24 @@ def load_frozen_base(config, setup: Setup):
   if not init_from:
     raise ValueError("a LoRA run fine-tunes a base model: pass --init_from=DIR (a checkpoint "
                      "or a training workdir)")
+  if setup.quantize_cfg is not None:
+    return _load_quantized_base(config, init_from, setup)
   return load_initial_params(config, init_from, setup.mesh, setup.rules,
                              dtype=setup.lora_cfg.base_dtype)
+
+
+def _load_quantized_base(config, init_from: str, setup: Setup):
+  """QLoRA: the base read into host memory in model.param_dtype, then quantized one weight at a
+  time onto the mesh (the devices never hold the float base)."""
+  try:
+    host = jax.local_devices(backend="cpu")[0]
+  except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it): load on the default device
+    host = None
+  with jax.default_device(host):
+    params = load_initial_params(config, init_from, dtype=config.model.param_dtype)
+  shapes = jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), params)
+  return quantize.quantize_params(params, setup.quantize_cfg,
+                                  sharding.tree_shardings(shapes, setup.mesh, setup.rules))
 
 
 def model_params(trainable, frozen, lora_cfg: lora.LoraConfig, dropout_rng=None):
@@ -188,10 +218,16 @@ def new_state(config, setup: Setup, init_from: str | None):
   return init_fn(params, frozen), frozen
 
 
-def restore_state(config, setup: Setup, mngr, step: int):
-  """(state, frozen) of checkpoint `step` of a run whose config and setup are given. A LoRA
-  run's base comes from the checkpoint when it was saved there (lora.save_base), else from the
-  run's init_from. A checkpoint written before the state had `nonfinite` restores with 0."""
+# Keys of the state that checkpoints written before them lack; they restore as zeros.
+_ADDED_KEYS = ("nonfinite", "nonfinite_step")
+
+
+def restore_state(workdir: str, config, setup: Setup, move_damaged: bool = False,
+                  step: int | None = None):
+  """(state, frozen, step) of the newest readable checkpoint of a run whose config and setup
+  are given (or of checkpoint `step`). A damaged newer checkpoint is skipped with a notice
+  (moved aside with `move_damaged`: a trainer holding the lock). A LoRA run's base comes from
+  the checkpoint when it was saved there (lora.save_base), else from the run's init_from."""
   frozen = None
   base_shape = base_params_shape(setup) if setup.uses_lora else None
   target = abstract_state(config, setup, base_shape)
@@ -200,26 +236,28 @@ def restore_state(config, setup: Setup, mngr, step: int):
       target["base"] = sharded_shapes(base_shape, setup)
     else:
       frozen = load_frozen_base(config, setup)
-  # Checkpoints written before the non-finite guard existed lack its counters: start them at 0.
-  missing = {k: target.pop(k) for k in ("nonfinite", "nonfinite_step")
-             if k not in checkpointing.saved_keys(mngr, step)}
-  state = checkpointing.restore(mngr, step, target)
-  for key, shape in missing.items():
-    state[key] = jax.device_put(jnp.zeros((), jnp.int32), shape.sharding)
+
+  def target_at(s):
+    saved = checkpointing.saved_keys(workdir, s)
+    return {k: v for k, v in target.items() if k in saved or k not in _ADDED_KEYS}
+
+  if step is None:
+    state, step = checkpointing.restore_latest(workdir, target_at, move_damaged)
+  else:
+    with checkpointing.manager(workdir, read_only=True) as mngr:
+      state = checkpointing.restore(mngr, step, target_at(step))
+  for key in _ADDED_KEYS:
+    if key not in state:
+      state[key] = jax.device_put(jnp.zeros((), jnp.int32), target[key].sharding)
   if "base" in state:
     frozen = state.pop("base")
-  return state, frozen
+  return state, frozen, int(step)
 
 
 def restore_run(workdir: str, step: int | None = None):
-  """(config, setup, state, frozen, step) of a workdir's checkpoint (the latest by default),
-  under its saved config: the whole training state, e.g. to compare two runs exactly."""
+  """(config, setup, state, frozen, step) of a workdir's checkpoint (the newest readable one by
+  default), under its saved config: the whole training state, e.g. to compare two runs."""
   config = checkpointing.load_config(workdir)
   setup = make_setup(config)
-  with checkpointing.manager(workdir, read_only=True) as mngr:
-    step = mngr.latest_step() if step is None else step
-    if step is None:
-      raise checkpointing.CheckpointError(
-          f"no checkpoint in {checkpointing.checkpoint_dir(workdir)!r}")
-    state, frozen = restore_state(config, setup, mngr, step)
-  return config, setup, state, frozen, int(step)
+  state, frozen, step = restore_state(workdir, config, setup, step=step)
+  return config, setup, state, frozen, step

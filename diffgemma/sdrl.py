@@ -38,7 +38,16 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from diffgemma import diffusion, losses, model, rewards, run_state, sampler, sharding
+from diffgemma import (
+  diffusion,
+  losses,
+  model,
+  rewards,
+  run_guard,
+  run_state,
+  sampler,
+  sharding,
+)
 from diffgemma.config import ModelConfig
 from diffgemma.tasks.base import Prompts, Task
 
@@ -467,8 +476,9 @@ class SdrlStage:
           setup.rules)
     self._anchor_batches = self._rollout = None
 
-  def start(self, state, frozen, start_step: int):
+  def start(self, state, frozen, start_step: int, workdir: str):
     del state
+    self._workdir = workdir
     if self.setup.uses_lora and self.cfg.anchor == "kl":
       self._reference = frozen
     if self.cfg.anchor == "sft":
@@ -536,7 +546,8 @@ class SdrlStage:
       self._rollout, metrics = self.rollout(step, state, frozen)
     batch = {"states": self._rollout}
     if self._anchor_batches is not None:
-      batch["anchor"] = {k: np.asarray(v) for k, v in next(self._anchor_batches).items()}
+      anchor = run_guard.next_batch(self._anchor_batches, step + 1, self._workdir)
+      batch["anchor"] = {k: np.asarray(v) for k, v in anchor.items()}
     return batch, metrics
 
   def rollout_program(self, state, frozen):

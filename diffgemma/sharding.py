@@ -122,7 +122,11 @@ def make_mesh(cfg: ShardingConfig, devices=None) -> Mesh:
 
 def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
   """Logical axis names of the array at a dotted path: a parameter ("layers.0.attn.q"), a LoRA
-  factor ("layers.0.attn.q.a" / ".b"), or an optimizer-state copy of either (any prefix)."""
+  factor ("layers.0.attn.q.a" / ".b"), a quantized weight's values or scales (".qvalue" /
+  ".scale": the weight's axes; a scale axis of size 1 stays unsplit), or an optimizer-state copy
+  of any of them (any prefix)."""
+  if path.endswith((".qvalue", ".scale")):
+    path = path.rsplit(".", 1)[0]
   factor = None
   if path.endswith((".a", ".b")):
     path, factor = path[:-2], path[-1]

@@ -22,15 +22,18 @@ from diffgemma import (
   errors,
   evaluation,
   lora,
+  provenance,
+  resume_config,
   run_config,
   run_state,
   sampler,
   sharding,
   trainer,
+  workdir_lock,
 )
 from diffgemma.tasks import make_task
 from diffgemma.tasks.base import Task
-from diffgemma.tb_writer import ScalarWriter
+from diffgemma.tb_writer import SummaryWriter
 
 
 class NonFiniteError(errors.RunStopped):
@@ -51,20 +54,22 @@ def make_stage(config, task: Task, setup: run_state.Setup):
 
 
 def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
-                   init_from: str | None, planning: bool = False):
-  """(config, task, resuming step or None): the run's config after adopting the saved run's or
-  the checkpoint's architecture, fully validated (a bad value is a one-line ConfigError; bad
-  task data a one-line InputError). Reads configs and task data only; writes nothing.
-  `planning` (--dry_run): an SD·RL config needs no --init_from."""
+                   init_from: str | None, planning: bool = False, overridden=None):
+  """(config, task, resuming step or None, resume changes): the run's config, fully validated
+  (a bad value is a one-line ConfigError; bad task data a one-line InputError). Reads configs
+  and task data only; writes nothing.
+
+  A new run adopts `init_from`'s architecture. A resumed run continues under its saved config,
+  with the requested changes that are safe on resume (`resume_config.reconcile`; any other
+  difference is a one-line ResumeConfigError); `overridden` are the keys set on the command
+  line. `planning` (--dry_run): an SD·RL config needs no --init_from.
+  """
   config = ml_collections.ConfigDict(config.to_dict())
   step = checkpointing.latest_step(workdir) if workdir else None
+  changes = {}
   if step is not None:
-    saved = checkpointing.load_config(workdir)
-    # The architecture is the run's, as saved when it started (possibly from --init_from).
-    run_state.adopt_architecture(config, run_config.model_config(saved))
-    if saved.get("init_from"):
-      with config.unlocked():
-        config.init_from = saved.init_from  # where a LoRA run's base lives
+    config, changes = resume_config.reconcile(checkpointing.load_config(workdir), config,
+                                              overridden, workdir)
   elif init_from:
     with config.unlocked():
       config.init_from = os.path.abspath(init_from)
@@ -85,8 +90,27 @@ def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
   except errors.InputError:
     raise
   except (KeyError, TypeError, ValueError) as e:
-    raise errors.ConfigError(f"bad config: {_one_line(e)}") from None
-  return config, task, step
+    after = " after the resume changes" if changes else ""
+    raise errors.ConfigError(f"bad config{after}: {_one_line(e)}") from None
+  return config, task, step, changes
+
+
+def check_init_from(init_from: str | None, workdir: str) -> None:
+  """A new run's missing --init_from fails before anything is read or written (a resumed run
+  does not read it)."""
+  if init_from and checkpointing.latest_step(workdir) is None and not os.path.isdir(init_from):
+    raise checkpointing.CheckpointError(f"--init_from directory {init_from!r} not found")
+
+
+def record_resume_changes(workdir: str, config, changes: dict, step: int) -> None:
+  """Print the changes a resumed run applies; rewrite config.json; append them, with the step
+  they take effect, to the run's config history."""
+  if not changes:
+    return
+  print(f"changed on resume at step {step}: {'; '.join(resume_config.describe(changes, config))}"
+        f" (recorded in {resume_config.HISTORY_FILE})")
+  checkpointing.save_config(workdir, config)
+  resume_config.record(workdir, step, changes)
 
 
 def _one_line(e: BaseException) -> str:
@@ -100,11 +124,18 @@ def eval_params(state, frozen, lora_cfg: lora.LoraConfig):
 
 
 def evaluate_and_log(step, params, task: Task, model_cfg, sampler_cfg, prompts, batch_size,
-                     generate_fn, writer) -> dict[str, float]:
-  """The periodic held-out evaluation: written to TensorBoard, printed above the progress bar
-  (with the task's warning when the metrics look unhealthy), returned as eval/* metrics."""
+                     generate_fn, writer, trace_fn=None, trace_rows: int = 0) -> dict[str, float]:
+  """The periodic held-out evaluation: written to TensorBoard (with the denoising traces of the
+  first `trace_rows` examples, drawn by `trace_fn`, a trajectory-recording sampler), printed
+  above the progress bar (with the task's warning when the metrics look unhealthy), returned as
+  eval/* metrics."""
   metrics, _ = evaluation.evaluate(task, params, model_cfg, sampler_cfg, prompts, batch_size,
                                    seed=step, generate_fn=generate_fn)
+  if trace_fn is not None and trace_rows:
+    shown = prompts.take(slice(0, trace_rows))
+    out = jax.device_get(trace_fn(params, shown.prompt_NxP, shown.valid_NxP,
+                                  jax.random.PRNGKey(step)))
+    task.log_traces(writer, step, shown, out["trajectory"], rows=range(len(shown)))
   shown = [f"{k}={v:.3f}" for k, v in metrics.items() if k.endswith("accuracy")]
   tqdm.write(f"step {step}: eval {' '.join(shown)} TPF={metrics['tokens_per_forward']:.2f} "
              f"steps/canvas={metrics['steps_per_canvas']:.1f}")
@@ -134,17 +165,38 @@ def _check_finite(state, train_cfg: run_config.TrainConfig, mngr) -> int:
   return count
 
 
+def _close(bar, mngr, writer, failed: bool = False) -> None:
+  """The progress bar, pending checkpoint writes (their failure is one line), TensorBoard. With
+  `failed` (an error is already on its way out) a second error is dropped."""
+  bar.close()
+  checkpointing.finish(mngr, failed=failed)
+  try:
+    writer.close()
+  except OSError:
+    if not failed:
+      raise
+
+
 def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None = None,
-          stop_at: int | None = None) -> dict:
+          stop_at: int | None = None, overridden=None) -> dict:
   """Train (or resume) in `workdir`; returns the last logged metrics.
 
   `stop_at` ends this invocation early at that step (with a checkpoint), as a preemption would;
   the schedule still spans `num_train_steps`, so rerunning resumes the same run. `init_from`
   starts a new run from a checkpoint directory's parameters; a LoRA run (lora.enabled) trains
   adapters on that base. An SD·RL config (an `sdrl` section) runs the SD·RL stage.
+  `overridden`: the config keys set on the command line (see `prepare_config`). One trainer
+  per workdir (`workdir_lock`).
   """
   # ---------------------------------------------------------------- configuration
-  config, task, start_step = prepare_config(config, workdir, init_from)
+  check_init_from(init_from, workdir)
+  config, task, start_step, changes = prepare_config(config, workdir, init_from,
+                                                     overridden=overridden)
+  with workdir_lock.hold(workdir, enabled=jax.process_index() == 0):
+    return _train(config, task, workdir, start_step, changes, init_from, stop_at)
+
+
+def _train(config, task: Task, workdir: str, start_step, changes, init_from, stop_at) -> dict:
   if start_step is not None and init_from:
     print(f"resuming {workdir}: --init_from applies only to a new run")
   setup = run_state.make_setup(config)
@@ -155,17 +207,21 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
     print(report)
 
   # ---------------------------------------------------------------- state
-  os.makedirs(workdir, exist_ok=True)
-  mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints)
   if start_step is not None:
-    state, frozen = run_state.restore_state(config, setup, mngr, start_step)
+    # The newest readable checkpoint (a damaged newer one is moved aside, with a notice).
+    state, frozen, start_step = run_state.restore_state(workdir, config, setup,
+                                                        move_damaged=True)
     print(f"resumed from step {start_step} in {workdir}")
+    record_resume_changes(workdir, config, changes, start_step)
   else:
     start_step = 0
     if init_from:
       print(f"initialising from {init_from}")
     state, frozen = run_state.new_state(config, setup, init_from)
     checkpointing.save_config(workdir, config)
+  provenance.record_start(workdir, start_step)  # run_info.json: this invocation's provenance
+  # After the restore: a checkpoint moved aside is not one of the manager's steps.
+  mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints)
   model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg
   trained = sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))
   if frozen is None:
@@ -182,12 +238,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
   update_step = trainer.make_update_step(
       setup, stage.loss_fn, state_sh, frozen_sh,
       trainer.batch_shardings(setup, stage.batch_shapes()), stage.update_stream)
-  writer = ScalarWriter(os.path.join(workdir, "tensorboard"))
+  writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
   eval_cfg = config.eval
   eval_prompts = task.eval_prompts() if eval_cfg.every_steps > 0 else None
   eval_sampler_cfg = run_config.sampler_config(config, task.stop_token_ids)
   generate_fn = sampler.make_generate_fn(model_cfg, eval_sampler_cfg)
-  stage.start(state, frozen, start_step)
+  trace_rows = min(eval_cfg.get("trace_examples", 0), len(eval_prompts or ()))
+  trace_fn = (sampler.make_generate_fn(model_cfg, eval_sampler_cfg.replace(record_trajectory=True))
+              if trace_rows else None)
+  stage.start(state, frozen, start_step, workdir)
 
   def checkpoint(step):
     _check_finite(state, train_cfg, mngr)  # nothing non-finite is ever saved
@@ -201,7 +260,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
   window_start, window_steps = time.perf_counter(), 0
   bar = tqdm(total=train_cfg.num_train_steps, initial=start_step, desc=stage.name, unit="step",
              dynamic_ncols=True)
-  step = start_step
+  step, timed_out = start_step, False
   try:
     while step < train_cfg.num_train_steps:
       batch, new_host_metrics = stage.next_batch(step, state, frozen)
@@ -230,7 +289,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
       if eval_prompts is not None and (step % eval_cfg.every_steps == 0 or final or stopping):
         last.update(evaluate_and_log(step, eval_params(state, frozen, lora_cfg), task, model_cfg,
                                      eval_sampler_cfg, eval_prompts, eval_cfg.batch_size,
-                                     generate_fn, writer))
+                                     generate_fn, writer, trace_fn, trace_rows))
         window_start, window_steps = time.perf_counter(), 0  # eval time is not throughput
       if boundary and (step % train_cfg.checkpoint_every == 0 or final or stopping):
         checkpoint(step)
@@ -239,10 +298,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
                    "reached")
       if stopping:
         break
-  finally:
-    # ---------------------------------------------------------------- close
-    bar.close()
-    mngr.wait_until_finished()
-    mngr.close()
-    writer.close()
+  except BaseException:  # the loop's own error is the one the user sees
+    _close(bar, mngr, writer, failed=True)
+    raise
+  _close(bar, mngr, writer)
+  provenance.record_end(workdir, step, provenance.stop_reason(step, train_cfg.num_train_steps,
+                                                              timed_out))
   return last

@@ -9,7 +9,7 @@ else. A stage is what `diffgemma.train_loop.train` runs:
   stage.update_stream             None: a step's key is fold_in(rng, step); else the key of
                                   that stream, fold_in(fold_in(rng, stream), step)
   stage.loss_fn(params, batch, rng) -> (loss, metrics)   params: what the model runs
-  stage.start(state, frozen, start_step)                 once, before the first batch
+  stage.start(state, frozen, start_step, workdir)        once, before the first batch
   stage.next_batch(step, state, frozen) -> (batch, host_metrics)
   stage.batch_shapes()            ShapeDtypeStructs of one global batch (for --dry_run)
   stage.is_boundary(step)         whether a checkpoint / stop may fall after `step`
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from diffgemma import losses, sharding
+from diffgemma import losses, run_guard, sharding
 from diffgemma.run_state import Setup, model_params
 from diffgemma.tasks.base import Task
 
@@ -139,15 +139,16 @@ class SftStage:
             "valid": jax.ShapeDtypeStruct(shape, jnp.bool_),
             "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
 
-  def start(self, state, frozen, start_step: int):
+  def start(self, state, frozen, start_step: int, workdir: str):
     del state, frozen
+    self._workdir = workdir
     self._batches = self.task.train_batches(self.batch_size, self.num_steps, start_step,
                                             jax.process_index(), jax.process_count())
 
   def next_batch(self, step, state, frozen):
-    del step, state, frozen
-    batch = {k: np.asarray(v) for k, v in next(self._batches).items()}
-    return batch, {}
+    del state, frozen
+    batch = run_guard.next_batch(self._batches, step + 1, self._workdir)
+    return {k: np.asarray(v) for k, v in batch.items()}, {}
 
   def is_boundary(self, step: int) -> bool:
     del step

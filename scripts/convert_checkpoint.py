@@ -39,6 +39,13 @@ def main(argv):
   source, dest = flags.FLAGS["from"].value, _TO.value
   if not source or not dest:
     raise cli.UserError("--from and --to are required")
+  if _SHARD_GB.value <= 0:
+    raise cli.UserError(f"--max_shard_gb must be positive, got {_SHARD_GB.value}")
+  if _CANVAS.value is not None and _CANVAS.value < 1:
+    raise cli.UserError(f"--canvas_length must be >= 1, got {_CANVAS.value}")
+  if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
+    raise cli.UserError(f"destination {dest} already exists and is not empty; choose a new "
+                        "directory")  # checked before the weights load (minutes for a big model)
   import jax
 
   from diffgemma import checkpoint_io, model

@@ -5,17 +5,25 @@
 
 import glob
 import os
+import sys
 
-from absl import app, flags
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory.", required=True)
+from absl import flags  # noqa: E402
+
+from diffgemma import cli  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory.")
 _TAGS = flags.DEFINE_list("tags", ["eval/puzzle_accuracy", "eval/cell_accuracy",
                                    "eval/tokens_per_forward"], "Scalar tags to print.")
 
 
 def main(argv):
   del argv
+  if not _WORKDIR.value:
+    raise cli.UserError("--workdir is required")
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
   rows = {}
   start = None
   for path in sorted(glob.glob(os.path.join(_WORKDIR.value, "tensorboard", "events.*"))):
@@ -28,7 +36,7 @@ def main(argv):
         if tag in _TAGS.value:
           rows.setdefault(event.step, {"wall": event.wall_time})[tag] = event.value
   if not rows:
-    raise SystemExit(f"error: no scalars {_TAGS.value} under {_WORKDIR.value}/tensorboard")
+    raise cli.UserError(f"no scalars {_TAGS.value} under {_WORKDIR.value}/tensorboard")
   print("minutes  step  " + "  ".join(_TAGS.value))
   for step in sorted(rows):
     row = rows[step]
@@ -37,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

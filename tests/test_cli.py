@@ -10,8 +10,8 @@ from diffgemma.tasks import sudoku_puzzles as sudoku
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*args, cwd=ROOT):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+def run(*args, cwd=ROOT, env=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
   return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
                         env=env, timeout=300)
 

@@ -1,4 +1,4 @@
-"""Pallas canvas attention (interpret mode) against model.attend + model.attention_mask.
+"""Pallas canvas attention (interpret mode) against model.attend + attention_mask.attention_mask.
 
 Tolerances, forward and gradients w.r.t. q, k, v (max error relative to the largest entry):
   float32:  max |ours - ref| <= 1e-5 * max(1, max |ref|)  (observed <= 7.2e-7 absolute)
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import model
+from diffgemma import attention_mask, model
 from diffgemma.kernels.attention import canvas_attention
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -99,7 +99,7 @@ def make_inputs(case: Case, seed: int = 0):
 
 
 def reference(q, k, v, anchor, limit, kv_pos, kv_valid, window):
-  return model.attend(q, k, v, model.attention_mask(anchor, limit, kv_pos, kv_valid, window))
+  return model.attend(q, k, v, attention_mask.attention_mask(anchor, limit, kv_pos, kv_valid, window))
 
 
 def output_and_grads(attention, qkv, cotangent):
@@ -163,7 +163,7 @@ def test_padding_queries_with_no_visible_key_match_reference():
   """The reference gives such rows the uniform average of v; the case above must contain some."""
   case = CASES["encoder_window_padded_hd24"]
   _, mask_args, _ = make_inputs(case)
-  sees_nothing = ~np.asarray(model.attention_mask(*mask_args, case.window)).any(-1)
+  sees_nothing = ~np.asarray(attention_mask.attention_mask(*mask_args, case.window)).any(-1)
   assert sees_nothing.sum() == case.left_pad[0]
 
 

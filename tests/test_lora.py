@@ -180,6 +180,28 @@ def test_lora_run_loads_merged_for_export(base_run, tmp_path):
   checkpoint_io.check_params(cfg, params)
 
 
+def test_qlora_run_quantizes_its_base_on_load_and_resumes(base_run, tmp_path):
+  import ml_collections
+
+  from diffgemma import quantize
+
+  config = _lora_config(2)
+  config.lora.base_dtype = "int4"
+  config.quantize = ml_collections.ConfigDict(dict(group_size=8))
+  workdir = str(tmp_path / "qlora")
+  train_loop.train(config, workdir, init_from=base_run, stop_at=1)
+  train_loop.train(config, workdir)  # resumes: the base re-read from init_from and re-quantized
+  _, setup, state, frozen, step = run_state.restore_run(workdir)
+  assert step == 2 and setup.quantize_cfg.dtype == "int4"
+  q = frozen["layers"][0]["attn"]["q"]
+  assert isinstance(q, quantize.QuantizedWeight) and q.qvalue.dtype == jnp.int4
+  # The frozen base is the quantized float base of the run it started from.
+  _, base_params, _ = checkpoint_io.load_workdir(base_run)
+  expected = quantize.quantize_params(base_params, setup.quantize_cfg)
+  np.testing.assert_array_equal(q.qvalue, expected["layers"][0]["attn"]["q"].qvalue)
+  assert set(state["params"]) == set(lora.target_paths(frozen, setup.lora_cfg))
+
+
 _TWO_DEVICES = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -202,7 +224,7 @@ def losses(fsdp, tensor, lora_base=None):
   step = trainer.make_update_step(setup, stage.loss_fn,
                                   jax.tree_util.tree_map(lambda x: x.sharding, target), None,
                                   trainer.batch_shardings(setup, stage.batch_shapes()))
-  stage.start(state, None, 0)
+  stage.start(state, None, 0, '.')
   out = []
   for _ in range(5):
     batch, _ = stage.next_batch(0, state, None)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import model
+from diffgemma import attention_mask, model
 from diffgemma.config import tiny
 
 # Jitted entry points: op-by-op dispatch of a whole model is ~5x slower than one compile.
@@ -19,8 +19,8 @@ def test_attention_mask_matches_brute_force_rules():
   q_pos = rng.integers(0, s, (b, t))
   kv_pos = np.broadcast_to(np.arange(s), (b, s))
   valid = rng.random((b, s)) < 0.8
-  causal = np.asarray(model.attention_mask(q_pos, q_pos, kv_pos, valid, window))
-  decoder = np.asarray(model.attention_mask(np.full((b, t), 7), np.full((b, t), 9), kv_pos,
+  causal = np.asarray(attention_mask.attention_mask(q_pos, q_pos, kv_pos, valid, window))
+  decoder = np.asarray(attention_mask.attention_mask(np.full((b, t), 7), np.full((b, t), 9), kv_pos,
                                             valid, window))
   for i in range(b):
     for q in range(t):

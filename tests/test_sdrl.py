@@ -1,6 +1,8 @@
 """SD·RL: advantages, the loss on a hand-computed batch, the trajectory replay, the rewards, and
 a short run of the loop from a saved tiny SFT run (with exact resume)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,16 +10,20 @@ import pytest
 
 from configs import sdrl_sudoku, sft_sudoku
 from diffgemma import (
+  checkpoint_io,
   checkpointing,
   diffusion,
+  lora,
   losses,
   model,
+  provenance,
   rewards,
   run_config,
   run_state,
   sampler,
   sdrl,
   train_loop,
+  trainer,
 )
 from diffgemma.tasks import make_task
 from diffgemma.tasks import sudoku as data
@@ -461,6 +467,9 @@ def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
   train_loop.train(config, resumed, stop_at=2, init_from=sft_dir)
   assert checkpointing.latest_step(resumed) == 2
   train_loop.train(config, resumed)
+  invocations = provenance.load_run_info(resumed)["invocations"]  # run_info.json
+  assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
+      (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
 
   *_, a, _, step_a = run_state.restore_run(straight)
   *_, b, _, step_b = run_state.restore_run(resumed)
@@ -473,6 +482,94 @@ def test_a_new_run_needs_init_from(tmp_path):
   _, config = tiny_configs()
   with pytest.raises(checkpointing.CheckpointError, match="--init_from"):
     train_loop.train(config, str(tmp_path / "run"))
+
+
+# ----------------------------------------------------------------------------- one update step
+
+
+def _stage_and_batch(config, sft_dir, accum):
+  """An SD·RL stage over a fresh tiny state from `sft_dir`, and one rollout's update batch."""
+  config = config.copy_and_resolve_references()
+  config.grad_accum_steps = accum
+  config, task, _, _ = train_loop.prepare_config(config, None, sft_dir)
+  setup = run_state.make_setup(config)
+  state, frozen = run_state.new_state(config, setup, sft_dir)
+  stage = sdrl.SdrlStage(config, task, setup)
+  stage.start(state, frozen, 0, sft_dir)
+  batch, _ = stage.next_batch(0, state, frozen)
+  return setup, stage, state, frozen, batch
+
+
+def test_gradient_accumulation_equals_one_step_on_the_whole_batch(tmp_path):
+  """Two micro-batches of the rollout's rows give the update of the whole batch: the loss is
+  normalised by the whole batch's valid-state count (norm_B)."""
+  sft, config = tiny_configs()
+  sft_dir = str(tmp_path / "sft")
+  save_sft_run(sft, sft_dir)
+  config.sdrl.update({"mode": "both", "anchor": "none"})
+  new_params = []
+  for accum in (1, 2):
+    setup, stage, state, frozen, batch = _stage_and_batch(config, sft_dir, accum)
+    if accum == 2:
+      assert float(batch["states"]["norm_B"][0]) * 2 == pytest.approx(norm_whole)
+    norm_whole = float(batch["states"]["norm_B"][0])
+    step = trainer.make_update_step(setup, stage.loss_fn, stream=stage.update_stream)
+    state, metrics = step(state, frozen, batch)
+    assert int(state["nonfinite"]) == 0
+    new_params.append(state["params"])
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), *new_params)
+
+
+def test_lora_sdrl_trains_only_the_adapters(tmp_path):
+  sft, config = tiny_configs()
+  sft_dir = str(tmp_path / "sft")
+  save_sft_run(sft, sft_dir)
+  config.lora.update({"enabled": True, "rank": 2, "alpha": 4.0, "base_dtype": "float32"})
+  config.optimizer.lr = 1e-2
+  config.num_train_steps = 2
+  workdir = str(tmp_path / "lora")
+  train_loop.train(config, workdir, init_from=sft_dir)
+  _, setup, state, frozen, _ = run_state.restore_run(workdir)
+  assert set(state["params"]) == set(lora.target_paths(frozen, setup.lora_cfg))
+  assert any(np.any(np.asarray(f["b"])) for f in state["params"].values())  # adapters moved
+  base = checkpoint_io.load_workdir(sft_dir)[1]
+  jax.tree_util.tree_map(np.testing.assert_array_equal, frozen, base)  # base untouched
+
+
+_ONE_AND_TWO_DEVICES = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+sys.path.insert(0, os.getcwd())
+import jax, numpy as np
+from diffgemma import run_state, train_loop
+from tests.test_sdrl import save_sft_run, tiny_configs
+
+root = sys.argv[1]
+sft, config = tiny_configs()
+save_sft_run(sft, root + "/sft")
+finals = []
+for fsdp in (1, 2):
+  run = config.copy_and_resolve_references()
+  run.sharding.fsdp = fsdp
+  train_loop.train(run, f"{root}/fsdp{fsdp}", init_from=root + "/sft")
+  _, setup, state, _, _ = run_state.restore_run(f"{root}/fsdp{fsdp}")
+  assert setup.mesh.size == fsdp
+  finals.append(jax.device_get(state["params"]))
+jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), *finals)
+print("ok")
+"""
+
+
+def test_sdrl_on_two_devices_matches_one_device(tmp_path):
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-c", _ONE_AND_TWO_DEVICES, str(tmp_path)], cwd=root,
+                     capture_output=True, text=True, timeout=900,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_dry_run_plans_the_rollout_and_the_update_on_two_devices():

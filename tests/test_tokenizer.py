@@ -282,6 +282,36 @@ def test_sample_plain_text(checkpoint):
   assert int(summary.group(1)) == 1 + len(tok.encode(prompt))
 
 
+def test_sample_text_trace(checkpoint, tmp_path):
+  """--trace=FILE.html: one table row per denoising step the reply took (canvases x steps per
+  canvas, as the summary line reports them), each with a canvas of tokens."""
+  import html.parser
+
+  class Rows(html.parser.HTMLParser):
+    def __init__(self):
+      super().__init__()
+      self.rows, self.tokens = 0, 0
+
+    def handle_starttag(self, tag, attrs):
+      classes = (dict(attrs).get("class") or "").split()
+      self.rows += tag == "tr" and "step" in classes
+      self.tokens += tag == "span" and "tok" in classes and self.rows > 0
+
+  trace = tmp_path / "reply.html"
+  r = run("sample.py", f"--init_from={checkpoint}", "--prompt=hello world", "--max_new_tokens=16",
+          f"--trace={trace}")
+  assert r.returncode == 0, r.stderr
+  summary = next(SUMMARY.match(l) for l in r.stdout.splitlines() if SUMMARY.match(l))
+  canvases, steps_per_canvas = int(summary.group(5)), float(summary.group(6))
+  steps = round(canvases * steps_per_canvas)
+  rows = Rows()
+  rows.feed(trace.read_text(encoding="utf-8"))
+  assert rows.rows == steps and rows.tokens == 8 * steps  # canvas_length 8
+  assert r.stdout.rstrip().endswith(f"trace: {trace} ({steps} denoising steps)")
+  one_line_error(run("sample.py", f"--init_from={checkpoint}", "--prompt=hi",
+                     f"--trace={tmp_path / 'reply.gif'}"), "--trace", ".html")
+
+
 def test_sample_text_errors(checkpoint, tmp_path):
   one_line_error(run("sample.py", f"--init_from={checkpoint}", "--prompt=  "), "empty")
   # The tiny model's context is 512 positions; checked before the weights load.

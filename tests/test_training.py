@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import diffusion, losses, model, run_state, train_loop
+from diffgemma import diffusion, losses, model, provenance, run_state, train_loop
 from diffgemma.tasks import Layout
 from diffgemma.tasks import sudoku as data
 from diffgemma.config import tiny
@@ -143,6 +143,9 @@ def test_training_resumes_exactly(tmp_path):
   assert 0.0 <= straight_last["eval/cell_accuracy"] <= 1.0
   train_loop.train(config, resumed, stop_at=2)
   last = train_loop.train(config, resumed)
+  invocations = provenance.load_run_info(resumed)["invocations"]  # run_info.json
+  assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
+      (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
   assert np.isfinite(last["loss"])
   *_, a, _, step_a = run_state.restore_run(straight)
   *_, b, _, step_b = run_state.restore_run(resumed)
@@ -150,3 +153,63 @@ def test_training_resumes_exactly(tmp_path):
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
   assert json.load(open(os.path.join(straight, "config.json")))["batch_size"] == 4
   assert os.listdir(os.path.join(straight, "tensorboard"))
+
+
+def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_the_history():
+  """The decoder CE of canvas k, computed as sft_loss does (one encoder pass over the whole
+  clean sequence, the decoder limited to the prefix before canvas k), equals the CE of the same
+  corrupted canvas decoded after encoding only the clean history (prompt + canvases < k), with
+  padding in the prompt and in later canvases. Both selections ("one", "all") are checked."""
+  cfg = tiny(canvas_length=4)
+  params = model.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+  p, k, c, b = 5, 3, 4, 3
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(3, cfg.vocab_size, (b, p + k * c)).astype(np.int32)
+  valid = np.ones_like(tokens, bool)
+  valid[0, :2] = False  # a left-padded prompt
+  loss_mask = np.zeros_like(valid)
+  loss_mask[:, p:] = True
+  loss_mask[1, p + 2 * c:] = False  # row 1: two canvases, the third is padding
+  valid[1, p + 2 * c:] = False
+  batch = {k_: jnp.asarray(v) for k_, v in
+           {"tokens": tokens, "valid": valid, "loss_mask": loss_mask}.items()}
+  layout = Layout(p, k, c)
+  decode = jax.jit(model.decode, static_argnums=1)
+  encode = jax.jit(model.encode, static_argnums=1)
+
+  def by_history(canvas_B, t_rng, noise_rng, u_rows):
+    """Decoder CE of each (row, canvas) after encoding just its clean history, no self-cond."""
+    t = diffusion.sample_noise_level(t_rng, len(u_rows), 1e-3)
+    starts = [p + canvas_B[i] * c for i in range(len(u_rows))]
+    clean = np.stack([tokens[r, s:s + c] for r, s in zip(u_rows, starts)])
+    target = np.stack([loss_mask[r, s:s + c] for r, s in zip(u_rows, starts)])
+    noisy = diffusion.corrupt(noise_rng, jnp.asarray(clean), t, cfg.vocab_size, "linear",
+                              jnp.asarray(target))
+    total, count = 0.0, 0.0
+    for i, (r, s) in enumerate(zip(u_rows, starts)):
+      cache = model.init_cache(cfg, 1, s + c)
+      _, cache = encode(params, cfg, jnp.asarray(tokens[r:r + 1, :s]), cache,
+                        jnp.asarray(valid[r:r + 1, :s]))
+      logits = decode(params, cfg, noisy[i:i + 1], cache)
+      logp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32)), np.float64)
+      nll = -logp[np.arange(c), clean[i]]
+      total += (nll * target[i]).sum()
+      count += target[i].sum()
+    return total / count
+
+  loss = jax.jit(losses.sft_loss, static_argnums=(1, 2, 3))
+  rng_key = jax.random.PRNGKey(7)
+  canvas_rng, t_rng, noise_rng = jax.random.split(rng_key, 3)
+  for selection in ("one", "all"):
+    loss_cfg = losses.LossConfig(encoder_weight=0.0, encoder_scope="off",
+                                 self_conditioning_prob=0.0, canvas_selection=selection)
+    _, metrics = loss(params, cfg, loss_cfg, layout, batch, rng_key)
+    if selection == "one":
+      has = loss_mask[:, p:].reshape(b, k, c).any(-1)
+      chosen = np.asarray(jax.random.categorical(canvas_rng, jnp.where(has, 0.0, -jnp.inf)))
+      assert chosen[1] < 2  # the padding canvas is never chosen
+      expected = by_history(chosen, t_rng, noise_rng, list(range(b)))
+    else:
+      u_rows = [r for r in range(b) for _ in range(k)]
+      expected = by_history(np.tile(np.arange(k), b), t_rng, noise_rng, u_rows)
+    np.testing.assert_allclose(metrics["decoder_loss"], expected, rtol=2e-5)

@@ -2,7 +2,7 @@
 
 `canvas_attention` is a drop-in for
 
-    model.attend(q, k, v, model.attention_mask(q_anchor, q_limit, kv_pos, kv_valid, window))
+    model.attend(q, k, v, attention_mask(q_anchor, q_limit, kv_pos, kv_valid, window))
 
 that takes the mask's ingredients instead of a materialised [B, T, S] mask. It serves the decoder
 (C canvas queries against [cached prefix slots | canvas keys]) and the causal encoder (anchor =
@@ -10,8 +10,8 @@ limit = the query's own position) alike.
 
 Forward: one Pallas program per (batch, query head, query block) runs an online softmax over KV
 blocks in a `fori_loop` (Triton has no scratch memory, so the accumulators live in the loop carry).
-The block's mask comes from `model.attention_mask` on [1, block_q] x [1, block_kv] slices, so the
-mask rule lives in one place; a KV block with no visible key for any query of the block is skipped
+The block's mask comes from `attention_mask.attention_mask` on [1, block_q] x [1, block_kv] slices,
+so the mask rule lives in one place; a KV block with no visible key for any query of the block is skipped
 (its K/V are never loaded), which makes the sliding window and the unfilled static cache cheap.
 GQA: query head h reads kv head h // (H // K) through the BlockSpec index map.
 
@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from diffgemma import model
+from diffgemma import attention_mask as mask_lib
+from diffgemma.kernels import platform
 
 # Score of a masked entry inside the kernel; finite so the running max never becomes -inf and the
 # rescaling exp(m_old - m_new) never sees inf - inf.
@@ -59,6 +60,7 @@ class _Options:
   max_block: int
   min_block: int
   interpret: bool
+  guarded: bool  # interpret mode inferred from a CPU trace (see platform.pallas_call)
   num_warps: int | None
   num_stages: int | None
 
@@ -66,10 +68,6 @@ class _Options:
 # ----------------------------------------------------------------------------- public entry
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sliding_window", "block_q", "block_kv", "block_kv_bwd", "max_tile_elements",
-                     "max_block", "min_block", "interpret", "num_warps", "num_stages"))
 def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT, kv_pos_BxS,
                      kv_valid_BxS, sliding_window: int | None, *, block_q: int | None = None,
                      block_kv: int | None = None, block_kv_bwd: int = 256,
@@ -79,7 +77,7 @@ def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
   """Masked GQA softmax attention (scaling 1.0, float32 softmax) without a materialised mask.
 
   Key j is visible to query t when kv_valid[j] and kv_pos[j] <= q_limit[t] and (with a sliding
-  window) kv_pos[j] > q_anchor[t] - sliding_window; see `model.attention_mask`.
+  window) kv_pos[j] > q_anchor[t] - sliding_window; see `attention_mask.attention_mask`.
 
   Args:
     q_BxTxHxd: queries (bfloat16 or float32).
@@ -96,12 +94,13 @@ def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
     max_tile_elements, max_block: bounds for the default tile sizes (see block_q).
     min_block: smallest compiled tile and head dim (Triton dots need 16); ignored when
       interpreting. Head dims that are not powers of two are zero-padded.
-    interpret: Pallas interpret mode; None = interpret iff the default backend is CPU.
+    interpret: Pallas interpret mode; None = the rule of `kernels.platform`: interpret on CPU,
+      Triton on GPUs, KernelPlatformError on other platforms.
     num_warps, num_stages: Triton compiler parameters, used when not interpreting (passing them
       is what selects Triton over Mosaic GPU); num_warps None = 4 for d <= 64 else 8.
 
   Returns:
-    out_BxTxHxd in q's dtype, equal to `model.attend(q, k, v, model.attention_mask(...))` up to
+    out_BxTxHxd in q's dtype, equal to `model.attend(q, k, v, attention_mask(...))` up to
     float rounding (rows with no visible key included).
   """
   b, t, h, d = q_BxTxHxd.shape
@@ -121,11 +120,21 @@ def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
   for name, block in (("block_q", block_q), ("block_kv", block_kv)):
     if block is not None and (block < 1 or block & (block - 1)):
       raise ValueError(f"{name} must be a power of two; got {block}")
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+  guarded = interpret is None
+  interpret = platform.resolve_interpret(
+      interpret, "canvas attention (model.attention_impl='pallas')", "model.attention_impl='xla'")
   opts = _Options(sliding_window, block_q, block_kv, block_kv_bwd, max_tile_elements, max_block,
-                  min_block, interpret, num_warps, num_stages)
+                  min_block, interpret, guarded, num_warps, num_stages)
+  return _canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
+                           kv_pos_BxS, kv_valid_BxS, opts)
 
+
+@functools.partial(jax.jit, static_argnums=(7,))
+def _canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT, kv_pos_BxS,
+                      kv_valid_BxS, opts: _Options):
+  """`canvas_attention` after validation; `opts` (static) holds the resolved platform mode, so
+  a trace for one platform is never reused for another."""
+  h, kv_heads = q_BxTxHxd.shape[2], k_BxSxKxd.shape[2]
   out_BxTxHxd, lse_BxHxT = _attention_core(
       q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT.astype(jnp.int32),
       q_limit_BxT.astype(jnp.int32), kv_pos_BxS.astype(jnp.int32), kv_valid_BxS.astype(bool), opts)
@@ -226,7 +235,7 @@ def _forward(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, anchor_BxT, limit_BxT, pos_BxS, va
   q_tile = pl.BlockSpec((None, block_q, None, dp), lambda bi, hi, qi: (bi, qi, hi, 0))
   kv_all = pl.BlockSpec((None, sp, None, dp), lambda bi, hi, qi: (bi, 0, hi // group, 0))
   lse_tile = pl.BlockSpec((None, None, block_q), lambda bi, hi, qi: (bi, hi, qi))
-  out, lse = pl.pallas_call(
+  out, lse = platform.pallas_call(
       kernel,
       grid=(b, h, tp // block_q),
       in_specs=[q_rows, q_rows, kv_rows, kv_rows, q_tile, kv_all, kv_all],
@@ -234,6 +243,7 @@ def _forward(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, anchor_BxT, limit_BxT, pos_BxS, va
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
       interpret=opts.interpret,
+      guarded=opts.guarded,
       compiler_params=_compiler_params(opts, d),
       name="canvas_attention",
   )(anchor, limit, pos, valid, q, k, v)
@@ -282,7 +292,7 @@ def _forward_kernel(anchor_ref, limit_ref, pos_ref, valid_ref, q_ref, k_ref, v_r
     kv = pl.ds(j * block_kv, block_kv)
     pos_1xV = pos_ref[kv][None, :]
     valid_1xV = valid_ref[kv][None, :] != 0
-    mask_QxV = model.attention_mask(anchor_1xQ, limit_1xQ, pos_1xV, valid_1xV,
+    mask_QxV = mask_lib.attention_mask(anchor_1xQ, limit_1xQ, pos_1xV, valid_1xV,
                                     sliding_window).reshape(block_q, block_kv)
     # Triton has no reduce_or: "any" as a max over int32.
     any_visible = jnp.max(mask_QxV.astype(jnp.int32)) > 0
@@ -342,7 +352,7 @@ def _backward_blocked(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, anchor_BxT, limit_BxT, po
 
   def step(dq_BxKxGxTxd, block):
     k_BxVxKxd, v_BxVxKxd, pos_BxV, valid_BxV = block
-    mask_BxTxV = model.attention_mask(anchor_BxT, limit_BxT, pos_BxV, valid_BxV, sliding_window)
+    mask_BxTxV = mask_lib.attention_mask(anchor_BxT, limit_BxT, pos_BxV, valid_BxV, sliding_window)
 
     def compute(dq_BxKxGxTxd):
       scores_BxKxGxTxV = einsum("bkgtd,bvkd->bkgtv", q_BxKxGxTxd, k_BxVxKxd)

@@ -27,8 +27,9 @@ Kernels (all accumulate in float32):
 
 Numerics. float32 or bfloat16 inputs (weights are cast to x's dtype, as model.moe does), float32
 accumulation; the activation and [dg | du] are stored in the input dtype between kernels.
-`interpret=None` runs Pallas interpret mode on CPU and compiles otherwise; on GPU the kernels are
-written for the Triton backend (power-of-two block sizes >= 16, no scratch, no scalar prefetch).
+`interpret=None` follows `kernels.platform`: interpret mode on CPU, compiled on GPUs, where the
+kernels are written for the Triton backend (power-of-two block sizes >= 16, no scratch, no scalar
+prefetch), and a KernelPlatformError elsewhere (TPU).
 
 Shape suffixes: M rows (token-expert assignments), D hidden, I expert intermediate, E experts,
 R padded rows (tiles * block_m), T tiles, N tokens, k top-k.
@@ -46,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from diffgemma.kernels import platform
+
 # gelu_tanh(x) = x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))), as jax.nn.gelu.
 _GELU_SCALE = float(np.sqrt(2.0 / np.pi))
 _GELU_CUBIC = 0.044715
@@ -60,6 +63,7 @@ class _KernelConfig:
   block_n: int
   block_k: int
   interpret: bool
+  guarded: bool  # interpret mode inferred from a CPU trace (see platform.pallas_call)
   num_warps: int | None
   num_stages: int | None
 
@@ -152,14 +156,13 @@ def _whole(shape):
 
 def _pallas_call(kernel, cfg: _KernelConfig, name: str, **kwargs):
   compiler_params = None
-  if not cfg.interpret and jax.default_backend() != "tpu":
-    # Ask for Triton explicitly: newer jax defaults pallas_call on GPU to Mosaic GPU. (Not on
-    # TPU, which these kernels do not target; on CPU only interpret mode runs.)
+  if not cfg.interpret:
+    # Ask for Triton explicitly: newer jax defaults pallas_call on GPU to Mosaic GPU.
     from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
     compiler_params = pl_triton.CompilerParams(num_warps=cfg.num_warps,
                                                num_stages=cfg.num_stages)
-  return pl.pallas_call(kernel, interpret=cfg.interpret, compiler_params=compiler_params,
-                        name=name, **kwargs)
+  return platform.pallas_call(kernel, interpret=cfg.interpret, guarded=cfg.guarded,
+                              compiler_params=compiler_params, name=name, **kwargs)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -465,7 +468,8 @@ def expert_mlp(x_MxD, group_sizes_E, gate_up_ExDx2I, down_ExIxD, row_weights_M=N
     block_n, block_k: output-column and contraction block sizes. D and I are zero-padded to a
       multiple of both, which copies the weights on every call: pick blocks that divide D and I
       (the defaults divide the 26B-A4B sizes D=2816, I=704).
-    interpret: Pallas interpret mode; None = interpret when the default backend is CPU.
+    interpret: Pallas interpret mode; None = the rule of `kernels.platform`: interpret on CPU,
+      Triton on GPUs, KernelPlatformError on other platforms.
     num_warps, num_stages: optional Triton settings on GPU.
 
   Returns:
@@ -485,15 +489,17 @@ def expert_mlp(x_MxD, group_sizes_E, gate_up_ExDx2I, down_ExIxD, row_weights_M=N
                      f"gate_up {gate_up_ExDx2I.shape}, down {down_ExIxD.shape}")
   if row_weights_M is not None and row_weights_M.shape != (m,):
     raise ValueError(f"row_weights has shape {row_weights_M.shape}, expected ({m},)")
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+  guarded = interpret is None
+  interpret = platform.resolve_interpret(
+      interpret, "the grouped expert MLP (model.moe_impl='pallas')",
+      "model.moe_impl='tiled' (or 'tiled_scan', 'ragged_dot')")
   blocks = dict(block_m=block_m, block_n=block_n, block_k=block_k)
   for name, size in blocks.items():
     # Triton: loads need power-of-two sizes and tl.dot at least 16 per dimension.
     if size < 1 or (not interpret and (size < _MIN_COMPILED_BLOCK or size & (size - 1))):
       raise ValueError(f"{name}={size}: blocks must be positive, and powers of two >= "
                        f"{_MIN_COMPILED_BLOCK} when compiled")
-  cfg = _KernelConfig(block_m, block_n, block_k, bool(interpret), num_warps, num_stages)
+  cfg = _KernelConfig(block_m, block_n, block_k, interpret, guarded, num_warps, num_stages)
   gate_up = gate_up_ExDx2I.astype(x_MxD.dtype)
   down = down_ExIxD.astype(x_MxD.dtype)
   if m == 0:

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from diffgemma import traces
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -178,6 +180,24 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def token_strings(self, tokens: Sequence[int]) -> list[str]:
     """Each token as a short string, for denoising traces."""
+
+  # ---------------------------------------------------------------- denoising traces
+
+  trace_suffixes: tuple[str, ...] = traces.HTML_SUFFIXES  # what write_trace can draw
+
+  def write_trace(self, path: str, prompts: Prompts, trajectory, row: int = 0) -> int:
+    """Row `row`'s denoising steps to `path` (HTML: the canvas tokens of every step, shaded by
+    entropy); returns the number of steps drawn."""
+    del prompts
+    return traces.write_text_trace(path, trajectory, self._token_string, row)
+
+  def log_traces(self, writer, step: int, prompts: Prompts, trajectory, rows=(0,)) -> None:
+    """A few rows' denoising steps to TensorBoard beside the periodic eval's scalars."""
+    del prompts
+    traces.log_text_traces(writer, step, trajectory, self._token_string, rows)
+
+  def _token_string(self, token: int) -> str:
+    return self.token_strings([token])[0]
 
   # ---------------------------------------------------------------- SD·RL
 

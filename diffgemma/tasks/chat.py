@@ -438,8 +438,14 @@ class ChatTask(Task):
   def _stopped(self, tokens_L: np.ndarray) -> bool:
     return bool(np.isin(np.asarray(tokens_L), self.tokenizer.stop_ids).any())
 
-  def reply_text(self, tokens_L: np.ndarray) -> str:
-    return self.tokenizer.decode(self.reply_ids(tokens_L))
+  def reply_text(self, tokens, prompts=None, row=0, first_slot=0) -> str:
+    """The reply up to its first stop token, decoded (a canvas shown on its own: its text)."""
+    del prompts, row, first_slot  # a canvas's text reads the same wherever it sits
+    return self.tokenizer.decode(self.reply_ids(tokens))
+
+  def prompt_text(self, prompts: Prompts, row: int = 0) -> str:
+    ids = np.asarray(prompts.prompt_NxP[row])[np.asarray(prompts.valid_NxP[row], bool)]
+    return self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
   def score(self, prompts: Prompts, tokens_NxL: np.ndarray, stats: dict[str, np.ndarray]
             ) -> tuple[dict[str, float], list[dict]]:

@@ -25,47 +25,27 @@ import ml_collections
 import numpy as np
 
 from diffgemma.tasks import sudoku_puzzles as sudoku
+from diffgemma.tasks import sudoku_traces
 from diffgemma.tasks.base import Layout, Prompts, Task
+from diffgemma.tasks.sudoku_tokens import (  # noqa: F401 (the task's token helpers)
+  PAD,
+  EOS,
+  BOS,
+  BLANK,
+  DIGIT_OFFSET,
+  CELL_TOKEN_OFFSET,
+  CELL_CONTENTS,
+  PROMPT_FORMATS,
+  PROMPT_LEN,
+  CANVAS_LEN,
+  vocab_size,
+  puzzle_tokens,
+  solution_tokens,
+  tokens_to_digits,
+)
 
-PAD, EOS, BOS, BLANK = 0, 1, 2, 3
-DIGIT_OFFSET = 3  # token of digit d (1..9) is DIGIT_OFFSET + d
-CELL_TOKEN_OFFSET = 16  # first (cell, content) token of the "cell_tokens" prompt format
-CELL_CONTENTS = 10  # blank + 9 digits
-PROMPT_FORMATS = ("digits", "cell_tokens")
-PROMPT_LEN = sudoku.NUM_CELLS
-CANVAS_LEN = sudoku.NUM_CELLS
 PARTIAL_CREDITS = ("none", "cells", "constraints")
 CELL_WEIGHTINGS = ("none", "consistent")
-
-
-def vocab_size(prompt_format: str) -> int:
-  """Smallest vocabulary that holds every token of the format."""
-  if prompt_format == "digits":
-    return DIGIT_OFFSET + sudoku.SIZE + 1
-  if prompt_format == "cell_tokens":
-    return CELL_TOKEN_OFFSET + CELL_CONTENTS * sudoku.NUM_CELLS
-  raise ValueError(f"unknown data.prompt_format {prompt_format!r}; choose one of "
-                   f"{PROMPT_FORMATS}")
-
-
-def puzzle_tokens(puzzles_Nx81, prompt_format: str) -> np.ndarray:
-  """Prompt tokens of puzzles [..., 81] in the given format (see the module docstring)."""
-  puzzles = np.asarray(puzzles_Nx81, np.int32)
-  if prompt_format == "digits":
-    return np.where(puzzles == sudoku.BLANK, BLANK, puzzles + DIGIT_OFFSET)
-  vocab_size(prompt_format)  # validates the name
-  cells = np.arange(sudoku.NUM_CELLS, dtype=np.int32)
-  return CELL_TOKEN_OFFSET + CELL_CONTENTS * cells + puzzles
-
-
-def solution_tokens(solutions_Nx81) -> np.ndarray:
-  return np.asarray(solutions_Nx81, np.int32) + DIGIT_OFFSET
-
-
-def tokens_to_digits(tokens_Nx81) -> np.ndarray:
-  """Canvas tokens back to digits; anything that is not a digit token becomes 0 (blank)."""
-  digits = np.asarray(tokens_Nx81, np.int32) - DIGIT_OFFSET
-  return np.where((digits >= 1) & (digits <= sudoku.SIZE), digits, 0).astype(np.int8)
 
 
 def response_len(canvas_len: int) -> int:
@@ -273,8 +253,18 @@ class SudokuTask(Task):
                    (data.min_givens, data.max_givens),
                    (config.eval.min_givens, config.eval.max_givens)):
       sudoku.check_givens_range(lo, hi)
-    if data.curriculum_steps < 0:
-      raise ValueError(f"data.curriculum_steps must be >= 0, got {data.curriculum_steps}")
+    for key, low in (("data.seed", 0), ("data.curriculum_steps", 0), ("data.num_threads", 0),
+                     ("data.prefetch", 0), ("eval.num_puzzles", 0), ("eval.seed", 0)):
+      section, name = key.split(".")
+      value = config[section][name]
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+      if value < low:
+        raise ValueError(f"{key} must be >= {low}, got {value}")
+    new_tokens = config.sampler.max_new_tokens
+    if new_tokens < CANVAS_LEN:
+      raise ValueError(f"sampler.max_new_tokens={new_tokens} cannot hold a Sudoku answer "
+                       f"({CANVAS_LEN} digits)")
     if config.model.vocab_size < self._vocab:
       raise ValueError(f"model.vocab_size={config.model.vocab_size} is too small for "
                        f"data.prompt_format={self.prompt_format!r} (needs {self._vocab})")
@@ -329,7 +319,6 @@ class SudokuTask(Task):
     given = puzzles != sudoku.BLANK
     correct = grids == solutions
     metrics = {
-        "accuracy": float(np.mean(solved)),
         "puzzle_accuracy": float(np.mean(solved)),
         "cell_accuracy": float(sudoku.cell_accuracy(puzzles, grids, solutions)),
         # The early-warning pair: a run on the copy-the-givens plateau gets the givens right
@@ -364,7 +353,10 @@ class SudokuTask(Task):
   # ---------------------------------------------------------------- text
 
   def prompt_from_text(self, text: str) -> Prompts:
-    puzzle = sudoku.parse_puzzle_string(text)
+    puzzle = sudoku.parse_puzzle_string(text)  # conflicting givens are an error here
+    if sudoku.solve(puzzle) is None:  # givens that conflict only through the other cells
+      raise sudoku.SudokuDataError("puzzle has no solution: no grid completes its givens; check "
+                                   "the --puzzle string")
     return puzzle_prompts(puzzle[None], np.zeros_like(puzzle)[None], self.prompt_format)
 
   def prompt_text(self, prompts, row=0):
@@ -397,6 +389,20 @@ class SudokuTask(Task):
   def token_strings(self, tokens: Sequence[int]) -> list[str]:
     digits = tokens_to_digits(np.asarray(tokens, np.int32))
     return [str(int(d)) if d else "." for d in digits]
+
+  # ---------------------------------------------------------------- denoising traces
+
+  trace_suffixes = sudoku_traces.TRACE_SUFFIXES
+
+  def write_trace(self, path, prompts, trajectory, row=0):
+    """The grid at every step: an animated GIF, or HTML of its digits."""
+    puzzles, solutions = _puzzles_and_solutions(prompts)
+    solution = solutions[row] if solutions[row].any() else None  # a typed puzzle has none
+    return sudoku_traces.write_sudoku_trace(path, trajectory, puzzles[row], row, solution)
+
+  def log_traces(self, writer, step, prompts, trajectory, rows=(0,)):
+    puzzles, solutions = _puzzles_and_solutions(prompts)
+    sudoku_traces.log_sudoku_traces(writer, step, trajectory, puzzles, solutions, rows)
 
   # ---------------------------------------------------------------- SD·RL
 

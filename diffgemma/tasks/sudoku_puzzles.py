@@ -464,8 +464,31 @@ def blank_cell_accuracy(puzzles_Nx81, grids_Nx81, solutions_Nx81):
 # ---------------------------------------------------------------------------
 
 
+def conflicting_givens(puzzle_81) -> Optional[str]:
+  """The first pair of givens that break a rule (the same digit twice in a row, column or box),
+  described in one line, or None if the givens are consistent. Cells are 1-based."""
+  cells = _as_cells(puzzle_81)
+  units = (("row", _ROW), ("column", _COL), ("box", _BOX))
+  for name, unit_of in units:
+    seen = {}
+    for cell in range(NUM_CELLS):
+      digit = cells[cell]
+      if digit == BLANK:
+        continue
+      key = (unit_of[cell], digit)
+      if key in seen:
+        first = seen[key]
+        return (f"digit {digit} is given twice in {name} {unit_of[cell] + 1} (row "
+                f"{_ROW[first] + 1} column {_COL[first] + 1}, and row {_ROW[cell] + 1} column "
+                f"{_COL[cell] + 1})")
+      seen[key] = cell
+  return None
+
+
 def parse_puzzle_string(s: str) -> np.ndarray:
-  """Parse 81 characters (digits, '.' or '0' for blanks; whitespace ignored) to int8[81]."""
+  """Parse 81 characters (digits, '.' or '0' for blanks; whitespace ignored) to int8[81].
+
+  SudokuDataError (one line) if the string is malformed or its givens already conflict."""
   chars = "".join(s.split())  # also drops inner whitespace, so 9-line pastes work
   if len(chars) != NUM_CELLS:
     raise SudokuDataError(
@@ -476,7 +499,11 @@ def parse_puzzle_string(s: str) -> np.ndarray:
       raise SudokuDataError(
         f"puzzle has invalid character {ch!r} at position {position + 1} {_PUZZLE_CHARS_HINT}"
       )
-  return np.array([0 if ch == "." else int(ch) for ch in chars], dtype=np.int8)
+  puzzle_81 = np.array([0 if ch == "." else int(ch) for ch in chars], dtype=np.int8)
+  conflict = conflicting_givens(puzzle_81)
+  if conflict is not None:
+    raise SudokuDataError(f"puzzle cannot be solved: {conflict}")
+  return puzzle_81
 
 
 def format_grid(grid_81, puzzle_81=None) -> str:
@@ -590,6 +617,8 @@ def load_csv(path, limit: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]
   path = os.fspath(path)
   if limit is not None and limit < 0:
     raise ValueError(f"limit must be >= 0, got {limit}")
+  if os.path.isdir(path):
+    raise SudokuDataError(f"{path} is a directory, expected a CSV file")
   if not os.path.isfile(path):
     raise SudokuDataError(f"no such file: {path}")
   line_numbers, quizzes, solutions = [], [], []

@@ -1,0 +1,61 @@
+"""SD·RL on a chat task after SFT (docs/design.md, "SD·RL"; diffgemma/sdrl.py).
+
+  python train.py --config=sdrl_chat --workdir=runs/count_sdrl --init_from=runs/count \
+      --config.data.train=/tmp/count.jsonl [--config.sdrl.reward_fn=my_module:my_reward]
+
+Rollout prompts are the training file's conversations (each example's history), G replies
+each; the reward is the task's answer metric against the data's reply (`sdrl.reward`: "exact"
+by default, or "choice", "gsm8k", "regex"), or a function of yours named by `sdrl.reward_fn`
+("package.module:function", called as function(prompt, reply, reference) -> float in [0, 1];
+prompt: the last user turn's text, reply: the generated text up to its first stop token,
+reference: the data's reply; importable from PYTHONPATH). The model, objective, data, sampler and
+eval sections are sft_chat's (`--config=sdrl_chat:sort` for the sort layout); the architecture
+comes from --init_from.
+"""
+
+import ml_collections
+
+from configs import sft_chat
+
+
+def get_config(variant: str = "count"):
+  c = sft_chat.get_config(variant)
+  c.num_train_steps = 400  # optimizer updates; the time limit usually ends the run first
+  c.max_train_minutes = 30.0
+  c.log_every = 1
+  c.checkpoint_every = 20
+  c.optimizer.update({"lr": 2e-4, "schedule": "constant", "warmup_steps": 10})
+  c.eval.update({"every_steps": 100, "num_examples": 64})
+
+  c.sdrl = ml_collections.ConfigDict({
+      "mode": "both",  # "both" | "distill" (all advantages 1) | "rl" (corruptions, not states)
+      "group_size": 4,  # G samples per prompt
+      "prompts_per_rollout": 8,
+      "updates_per_rollout": 1,
+      "states_per_trajectory": 4,
+      "state_selection": "uniform",  # "uniform" | "first_k" | "last_k" | "all"
+      "advantage_norm": "group_std",  # "group_std" | "group_mean" | "none"
+      "advantage_eps": 1e-6,
+      "negative_advantage_weight": 0.25,  # < 1: agreed tokens still distil toward fewer steps
+      "advantage_clip": 0.0,  # 0 = off
+      "reward_weight": 1.0,  # state weight A + reward_weight * r
+      "cell_weighting": "none",  # a chat task gives no token weights
+      "anchor": "sft",  # "none" | "kl" | "sft" (the SFT loss on the training data)
+      "anchor_weight": 1.0,
+      "anchor_batch_size": 16,
+      "reward": {
+          "name": "exact",  # the task's metric: "exact" | "choice" | "gsm8k" | "regex"
+          "step_penalty": 0.0,  # x steps per canvas / max denoising steps
+          "length_penalty": 0.0,  # x generated tokens / max_new_tokens
+      },
+      "reward_fn": "",  # "package.module:function" replaces the metric
+      # Sampler during rollouts (trajectories are always recorded); evaluation uses c.sampler.
+      "rollout_sampler": c.sampler.to_dict(),
+  })
+  # Rollouts stop at 16 steps per canvas, with the evaluation sampler's temperatures on those
+  # steps (the schedule is linear in the step; see configs/sdrl_sudoku.py).
+  rollout_steps = 16
+  c.sdrl.rollout_sampler.max_denoising_steps = rollout_steps
+  c.sdrl.rollout_sampler.t_min = c.sampler.t_max - (
+      (c.sampler.t_max - c.sampler.t_min) * rollout_steps / c.sampler.max_denoising_steps)
+  return c

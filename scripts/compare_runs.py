@@ -1,0 +1,48 @@
+"""Compare training runs: one table of their differing config keys and eval results, one plot.
+
+  python scripts/compare_runs.py runs/a runs/b [runs/c ...] [--out=compare.png]
+  python scripts/compare_runs.py runs/ablate/*/           # every point of a sweep
+
+The table has a column per config key whose value differs between the runs (only those), the
+final and best value of each eval metric the runs log (puzzle / cell accuracy or accuracy,
+tokens per forward, steps per canvas), held-out results stored by sweep.py --eval_data, the last
+logged step, wall-clock minutes and the median training tokens/s. --out draws the eval metrics
+and the loss against step and against wall-clock minutes (one line per run) and accuracy
+against TPF (the quality-speed plane). Runs are read from WORKDIR/config.json and the
+TensorBoard events in WORKDIR/tensorboard (diffgemma/compare.py).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+
+from diffgemma import cli  # noqa: E402
+
+_OUT = flags.DEFINE_string("out", None, "Write the plots to this PNG file.")
+
+
+def main(argv):
+  workdirs = argv[1:]
+  if not workdirs:
+    raise cli.UserError("give one or more run directories: compare_runs.py DIR [DIR ...]")
+  if _OUT.value is not None and not _OUT.value.lower().endswith(".png"):
+    raise cli.UserError(f"--out={_OUT.value!r}: the plot is a PNG (name it FILE.png)")
+  if _OUT.value and not os.path.isdir(os.path.dirname(os.path.abspath(_OUT.value))):
+    raise cli.UserError(f"--out={_OUT.value!r}: its directory does not exist")
+  from diffgemma import compare
+
+  try:
+    runs = compare.load_runs(workdirs)
+  except compare.NotARunError as e:
+    raise cli.UserError(str(e)) from None
+  print(compare.format_table(runs))
+  if _OUT.value:
+    width, height = compare.plot(runs, _OUT.value)
+    print(f"plot: {_OUT.value} ({width}x{height})")
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,506 @@
+"""Reliability: one trainer per workdir, damaged checkpoints fall back, nothing non-finite is
+saved, failed writes and data pipelines end in one line, resume changes nothing silently, and a
+run killed at random moments (inside checkpoint writes too) resumes bitwise exactly.
+
+Every run here is the tests' tiny Sudoku model; the uninterrupted reference run is trained once
+per module. Runs of train.py in a subprocess share the suite's XLA compilation cache.
+"""
+
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from diffgemma import (
+  checkpointing,
+  resume_config,
+  run_guard,
+  run_state,
+  train_loop,
+  workdir_lock,
+)
+from diffgemma.tasks import sudoku_puzzles as sudoku
+from tests.test_cli import ROOT, one_line_error, run
+from tests.test_training import tiny_sudoku_config
+
+STEPS, EVERY = 8, 2
+TINY_CONFIG = "--config=tests/tiny_sudoku_config.py"
+TINY_FLAGS = (TINY_CONFIG, f"--config.num_train_steps={STEPS}", f"--config.checkpoint_every={EVERY}")
+
+
+def config_of_run():
+  config = tiny_sudoku_config(workdir_steps=STEPS)
+  config.checkpoint_every = EVERY
+  return config
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """An uninterrupted run of STEPS steps (checkpoints every EVERY, the last two kept)."""
+  path = str(tmp_path_factory.mktemp("reference") / "run")
+  train_loop.train(config_of_run(), path)
+  return path
+
+
+def final_state(workdir):
+  *_, state, _, step = run_state.restore_run(workdir)
+  return state, step
+
+
+def assert_bitwise_equal(workdir, reference_dir):
+  state, step = final_state(workdir)
+  expected, expected_step = final_state(reference_dir)
+  assert step == expected_step == STEPS
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  for (path, a), b in zip(flat, jax.tree_util.tree_leaves(expected)):
+    a, b = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), jax.tree_util.keystr(path)
+
+
+def copy_run(reference_dir, dest):
+  shutil.copytree(reference_dir, dest)
+  return str(dest)
+
+
+def train_cmd(workdir, *extra):
+  return [sys.executable, "train.py", *TINY_FLAGS, f"--workdir={workdir}", *extra]
+
+
+def start(cmd, log_path, **popen):
+  log = open(log_path, "w")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                          **popen), log
+
+
+# train.py with its imports done ahead, started by a file appearing: it reaches the workdir
+# lock within a fraction of a second of the go, while the first trainer is still busy.
+PRELOADED = """
+import os, runpy, sys, time
+import jax, diffgemma.sdrl, diffgemma.trainer, tests.test_training
+go, sys.argv = sys.argv[1], sys.argv[2:]
+while not os.path.exists(go):
+  time.sleep(0.005)
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+# ----------------------------------------------------------------------------- the workdir lock
+
+
+def test_a_second_trainer_on_a_workdir_fails_in_one_line(reference, tmp_path):
+  workdir, go = tmp_path / "shared", tmp_path / "go"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  second = subprocess.Popen(
+      [sys.executable, "-c", PRELOADED, str(go), *train_cmd(workdir, "--config.optimizer.lr=0.01")[1:]],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  first, log = start(train_cmd(workdir), tmp_path / "first.log")
+  try:
+    deadline = time.time() + 240
+    while not workdir_lock.read_holder(workdir_lock.lock_path(workdir)):
+      assert first.poll() is None and time.time() < deadline, open(tmp_path / "first.log").read()
+      time.sleep(0.01)
+    go.touch()
+    out, err = second.communicate(timeout=120)
+    assert first.poll() is None, "the first trainer ended before the second was refused"
+    one_line_error(subprocess.CompletedProcess(second.args, second.returncode, out, err),
+                   f"workdir {workdir} is in use by another trainer",
+                   f"PID {first.pid} on host", "--workdir")
+    assert first.wait(timeout=300) == 0, open(tmp_path / "first.log").read()
+  finally:
+    first.kill()
+    second.kill()
+    log.close()
+  assert_bitwise_equal(str(workdir), reference)
+  assert workdir_lock.read_holder(workdir_lock.lock_path(workdir)) is None  # released
+
+
+def _dead_pid():
+  child = subprocess.Popen([sys.executable, "-c", "pass"])
+  child.wait()
+  return child.pid
+
+
+def test_a_stale_lock_is_taken_over_and_a_live_holder_is_not(tmp_path):
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  path = workdir_lock.lock_path(workdir)
+  # What a SIGKILLed trainer leaves: its record, no flock (the kernel dropped it).
+  stale = dict(workdir_lock.holder_info(), pid=_dead_pid(), process_start=1)
+  with open(path, "w") as f:
+    json.dump(stale, f)
+  notices = []
+  with workdir_lock.hold(workdir, log=notices.append):
+    assert workdir_lock.read_holder(path)["pid"] == os.getpid()
+    # A second holder, even in this process (flock is per open file), is refused in one line.
+    with pytest.raises(workdir_lock.WorkdirBusyError) as busy:
+      with workdir_lock.hold(workdir):
+        pass
+    message = str(busy.value)
+    assert "\n" not in message and f"PID {os.getpid()} on host" in message
+  assert len(notices) == 1 and f"PID {stale['pid']}" in notices[0]
+  assert "no longer running" in notices[0]
+  # Garbage in the file is no holder at all.
+  with open(path, "w") as f:
+    f.write("{not json")
+  with workdir_lock.hold(workdir, log=notices.append):
+    pass
+  # A record naming a live process (same boot, same start time) refuses even without a flock:
+  # the lock file was replaced under a running trainer.
+  sleeper = subprocess.Popen(["sleep", "30"])
+  try:
+    live = dict(workdir_lock.holder_info(), pid=sleeper.pid,
+                process_start=workdir_lock._process_start(sleeper.pid))
+    with open(path, "w") as f:
+      json.dump(live, f)
+    if live["process_start"] is not None and live["boot_id"] is not None:  # Linux /proc
+      with pytest.raises(workdir_lock.WorkdirBusyError, match=f"PID {sleeper.pid}"):
+        with workdir_lock.hold(workdir):
+          pass
+  finally:
+    sleeper.kill()
+    sleeper.wait()
+  with workdir_lock.hold(workdir, log=notices.append):  # its process is gone now
+    pass
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def _largest_data_file(step_dir):
+  files = [os.path.join(d, f) for d, _, names in os.walk(step_dir) for f in names
+           if os.sep + "d" + os.sep in os.path.join(d, f)]
+  return max(files, key=os.path.getsize)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_training_ends_equal(reference, tmp_path,
+                                                                        capfd):
+  workdir = copy_run(reference, tmp_path / "run")
+  newest = os.path.join(checkpointing.checkpoint_dir(workdir), str(STEPS))
+  target = _largest_data_file(newest)
+  os.truncate(target, os.path.getsize(target) // 2)
+  capfd.readouterr()
+
+  # A reader (eval.py, sample.py) uses the older step and leaves the workdir as it is.
+  _, step = final_state(workdir)
+  assert step == STEPS - EVERY and os.path.isdir(newest)
+  notices = [l for l in capfd.readouterr().err.splitlines()
+             if l.startswith(("warning: checkpoint", "using checkpoint", "moved damaged"))]
+  assert len(notices) == 2, notices
+  assert notices[0].startswith(f"warning: checkpoint step {STEPS} in ") and "cannot be read" in notices[0]
+  assert notices[1] == f"using checkpoint step {STEPS - EVERY}, the newest readable one"
+
+  # The trainer moves the damaged step aside (never deleting it), resumes from the older one
+  # and ends where the uninterrupted run ended.
+  train_loop.train(config_of_run(), workdir)
+  err = capfd.readouterr().err
+  assert f"moved damaged checkpoint step {STEPS} to " in err and "Traceback" not in err
+  moved = os.listdir(os.path.join(workdir, checkpointing.DAMAGED_DIR))
+  assert len(moved) == 1 and moved[0].startswith(f"{STEPS}-")
+  assert os.path.getsize(os.path.join(workdir, checkpointing.DAMAGED_DIR, moved[0],
+                                      os.path.relpath(target, newest))) > 0
+  assert_bitwise_equal(workdir, reference)
+
+
+def test_no_readable_checkpoint_is_one_line_and_moves_nothing(reference, tmp_path):
+  workdir = copy_run(reference, tmp_path / "run")
+  for step in checkpointing.steps_on_disk(workdir):
+    os.remove(os.path.join(checkpointing.checkpoint_dir(workdir), str(step), "default",
+                           "manifest.ocdbt"))
+  r = run("train.py", *TINY_FLAGS, f"--workdir={workdir}")
+  one_line_error(r, "no checkpoint in", f"step {STEPS}: ", "nothing was moved")
+  assert checkpointing.steps_on_disk(workdir) == [STEPS, STEPS - EVERY]
+  assert not os.path.exists(os.path.join(workdir, checkpointing.DAMAGED_DIR))
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def test_save_refuses_non_finite_state_and_keeps_the_finite_checkpoints(tmp_path):
+  workdir = str(tmp_path / "run")
+  state = {"step": jnp.int32(1), "params": {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)},
+           "rng": jax.random.PRNGKey(0)}
+  mngr = checkpointing.manager(workdir, keep=1)
+  checkpointing.save(mngr, 1, state)
+  checkpointing.finish(mngr)
+  for bad in (jnp.nan, jnp.inf, -jnp.inf):
+    broken = {**state, "params": {**state["params"], "b": state["params"]["b"].at[2].set(bad)}}
+    mngr = checkpointing.manager(workdir, keep=1)
+    with pytest.raises(checkpointing.NonFiniteStateError) as e:
+      checkpointing.save(mngr, 2, broken)
+    checkpointing.finish(mngr)
+    message = str(e.value)
+    assert "\n" not in message and "refusing to save step 2" in message
+    assert "['params']['b']" in message and "Last finite checkpoint: step 1" in message
+    assert checkpointing.steps_on_disk(workdir) == [1]  # keep=1 deleted nothing
+  assert checkpointing.non_finite_leaves(state) == []
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_ends_equal(reference, tmp_path,
+                                                                       monkeypatch):
+  workdir = str(tmp_path / "run")
+  real_save = ocp.CheckpointManager.save
+
+  def full_disk_at_step_4(self, step, *args, **kwargs):
+    if step == 4:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk_at_step_4)
+  with pytest.raises(checkpointing.CheckpointWriteError) as e:
+    train_loop.train(config_of_run(), workdir)
+  message = str(e.value)
+  assert "\n" not in message and "disk full" in message
+  assert "the last complete checkpoint is step 2" in message
+  monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
+  assert checkpointing.steps_on_disk(workdir) == [2]
+  train_loop.train(config_of_run(), workdir)
+  assert_bitwise_equal(workdir, reference)
+
+
+def test_config_json_writes_are_atomic_and_fail_in_one_line(tmp_path, monkeypatch):
+  config = config_of_run()
+  checkpointing.save_config(str(tmp_path), config)
+  before = open(tmp_path / "config.json").read()
+
+  def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(os, "fsync", no_space)
+  config.batch_size = 8
+  with pytest.raises(checkpointing.CheckpointWriteError, match="disk full"):
+    checkpointing.save_config(str(tmp_path), config)
+  assert open(tmp_path / "config.json").read() == before
+  assert sorted(os.listdir(tmp_path)) == ["config.json"]  # no temporary file left
+
+
+def test_a_failing_data_pipeline_is_one_line_naming_the_last_checkpoint(tmp_path, monkeypatch):
+  workdir = str(tmp_path / "run")
+  real = sudoku.generated_record
+  batch = config_of_run().batch_size
+
+  def fails_at_step_4(seed, index, *args):
+    if index >= 3 * batch:  # the records of step 4
+      raise sudoku.SudokuGenerationError("could not make a puzzle (injected)")
+    return real(seed, index, *args)
+
+  monkeypatch.setattr(sudoku, "generated_record", fails_at_step_4)
+  with pytest.raises(run_guard.RunFailure) as e:
+    train_loop.train(config_of_run(), workdir)
+  message = str(e.value)
+  assert "\n" not in message
+  assert message.startswith("the data pipeline failed preparing step 4: SudokuGenerationError")
+  assert "the last complete checkpoint is step 2" in message
+  assert checkpointing.steps_on_disk(workdir) == [2]
+
+
+# ----------------------------------------------------------------------------- resume config
+
+
+def test_resume_refuses_architecture_changes_in_one_line(reference, tmp_path):
+  workdir = copy_run(reference, tmp_path / "run")
+  before = open(os.path.join(workdir, "config.json")).read()
+  r = run("train.py", *TINY_FLAGS, f"--workdir={workdir}", "--config.model.num_layers=3",
+          "--config.optimizer.lr=0.01")
+  one_line_error(r, "cannot resume", "model.num_layers (run: 2, requested: 3)",
+                 "optimizer.lr (run: 0.003, requested: 0.01)", "new --workdir")
+  assert open(os.path.join(workdir, "config.json")).read() == before
+
+
+def test_reconcile_applies_safe_changes_and_refuses_the_rest():
+  saved = config_of_run()
+  same, changes = resume_config.reconcile(saved, config_of_run())
+  assert changes == {} and same.to_dict() == saved.to_dict()
+
+  longer = config_of_run()
+  longer.num_train_steps = 20
+  longer.eval.every_steps = 5
+  longer.data.num_threads = 2
+  merged, changes = resume_config.reconcile(saved, longer)
+  assert changes == {"num_train_steps": [STEPS, 20], "eval.every_steps": [0, 5],
+                     "data.num_threads": [0, 2]}
+  assert merged.num_train_steps == 20 and merged.eval.every_steps == 5
+
+  for key, value in (("model.num_layers", 3), ("data.seed", 5), ("loss.t_eps", 0.01),
+                     ("optimizer.b2", 0.9), ("seed", 1), ("batch_size", 8)):
+    changed = config_of_run()
+    parent, _, leaf = key.rpartition(".")
+    (changed[parent] if parent else changed)[leaf] = value
+    with pytest.raises(resume_config.ResumeConfigError, match=key.replace(".", r"\.")) as e:
+      resume_config.reconcile(saved, changed)
+    assert "\n" not in str(e.value)
+
+  # A run started from a checkpoint took that checkpoint's architecture: the config file's
+  # (different) architecture is no change, unless the user set it on the command line.
+  from_checkpoint = config_of_run()
+  with from_checkpoint.unlocked():
+    from_checkpoint.init_from = "/some/checkpoint"
+  file_default = config_of_run()
+  file_default.model.hidden_size = 32
+  merged, changes = resume_config.reconcile(from_checkpoint, file_default)
+  assert changes == {} and merged.model.hidden_size == 16 and merged.init_from
+  with pytest.raises(resume_config.ResumeConfigError, match="model.hidden_size"):
+    resume_config.reconcile(from_checkpoint, file_default, overridden={"model.hidden_size"})
+
+
+def test_resume_records_safe_changes_with_their_step(reference, tmp_path, capsys):
+  workdir = copy_run(reference, tmp_path / "run")
+  changed = config_of_run()  # the run is complete: resuming trains no step (nothing compiles)
+  changed.log_every = 3
+  changed.keep_checkpoints = 5
+  train_loop.train(changed, workdir)
+  history = resume_config.history(workdir)
+  assert len(history) == 1 and history[0]["step"] == STEPS
+  assert history[0]["changes"] == {"keep_checkpoints": {"old": 2, "new": 5},
+                                   "log_every": {"old": 1, "new": 3}}
+  assert f"changed on resume at step {STEPS}: keep_checkpoints: 2 -> 5; log_every: 1 -> 3 (" in (
+      capsys.readouterr().out)
+  saved = checkpointing.load_config(workdir)
+  assert saved.log_every == 3 and saved.keep_checkpoints == 5
+  train_loop.train(changed, workdir)  # the same request again changes nothing more
+  assert len(resume_config.history(workdir)) == 1
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("batch_size", 0, "batch_size must be >= 1"),
+    ("optimizer.lr", -1e-3, "optimizer.lr must be > 0"),
+    ("optimizer.warmup_steps", 100, "exceeds num_train_steps"),
+    ("keep_checkpoints", 0, "keep_checkpoints must be >= 1"),
+    ("checkpoint_every", 0, "checkpoint_every must be >= 1"),
+    ("optimizer.schedule", "linear", "unknown optimizer.schedule"),
+    ("loss.noise_schedule", "cubic", "unknown loss.noise_schedule"),
+    ("model.num_kv_heads", 0, "model.num_kv_heads must be >= 1"),
+    ("model.head_dim", 7, "must be even"),
+    ("sampler.max_new_tokens", 40, "cannot hold a Sudoku answer"),
+    ("data.seed", -1, "data.seed must be >= 0"),
+    ("batch_size", 2.5, "batch_size must be an integer"),
+    ("optimizer.lr", float("nan"), "optimizer.lr must be a finite number"),
+])
+def test_bad_config_values_are_one_line_value_errors(key, value, words):
+  config = config_of_run().to_dict()  # a plain dict: ConfigDict would refuse a wrong type
+  parent, _, leaf = key.rpartition(".")
+  (config[parent] if parent else config)[leaf] = value
+  with pytest.raises(ValueError, match=words) as e:
+    train_loop.prepare_config(ml_collections.ConfigDict(config), None, None)
+  assert "\n" not in str(e.value)
+
+
+def test_zero_batch_writes_nothing(tmp_path):
+  workdir = tmp_path / "run"
+  one_line_error(run("train.py", TINY_CONFIG, f"--workdir={workdir}", "--config.batch_size=0"),
+                 "batch_size must be >= 1")
+  assert not workdir.exists()
+
+
+def test_conflicting_givens_are_reported_before_sampling(tmp_path):
+  puzzle = "55" + "." * 79
+  one_line_error(run("sample.py", f"--workdir={tmp_path}", f"--puzzle={puzzle}"),
+                 "digit 5 is given twice in row 1")
+  assert sudoku.conflicting_givens(np.array([5] + [0] * 8 + [5] + [0] * 71)) == (
+      "digit 5 is given twice in column 1 (row 1 column 1, and row 2 column 1)")
+  grid = np.zeros(81, np.int8)
+  grid[[0, 10]] = 3  # row 1 col 1, row 2 col 2: same box
+  assert "in box 1" in sudoku.conflicting_givens(grid)
+  puzzles, _ = sudoku.generate_puzzles(0, 3, 30, 40)
+  assert all(sudoku.conflicting_givens(p) is None for p in puzzles)
+
+
+# ----------------------------------------------------------------------------- SIGKILL
+
+
+def _tmp_checkpoints(workdir):
+  """{(name, inode, ctime)} of the temporary directories of checkpoint writes in progress (or
+  cut by a kill)."""
+  directory = checkpointing.checkpoint_dir(workdir)
+  found = set()
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  for name in names:
+    if ".orbax-checkpoint-tmp" in name:
+      try:
+        st = os.stat(os.path.join(directory, name))
+      except OSError:  # renamed into place meanwhile: that write is complete
+        continue
+      found.add((name, st.st_ino, st.st_ctime_ns))
+  return found
+
+
+def _run_until_killed(workdir, log_path, rng, write_of_step=None):
+  """Start train.py and SIGKILL it: with `write_of_step`, inside the checkpoint write of the
+  first step >= it (0-50 ms after its temporary directory appears); else at a random moment
+  0-3 s after the run announced its steps (compiling, training or saving). Returns whether the
+  kill landed inside a write (checked on disk after the kill), or None if the run finished
+  first. A write cut by an earlier kill leaves a directory of the same name until the next
+  trainer clears it: only a new directory (another inode or change time) counts."""
+  cut_before = _tmp_checkpoints(workdir)
+  proc, log = start(train_cmd(workdir), log_path)
+  try:
+    deadline = time.time() + 300
+    announced_at = None
+    wait = rng.uniform(0.0, 3.0)
+    while proc.poll() is None and time.time() < deadline:
+      if write_of_step is not None:
+        if any(int(name.split(".")[0]) >= write_of_step
+               for name, *_ in _tmp_checkpoints(workdir) - cut_before):
+          time.sleep(rng.uniform(0.0, 0.05))
+          break
+      else:
+        if announced_at is None and "training steps" in open(log_path).read():
+          announced_at = time.time()
+        if announced_at is not None and time.time() - announced_at > wait:
+          break
+      time.sleep(0.002)
+    if proc.poll() is not None:
+      return None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return bool(_tmp_checkpoints(workdir) - cut_before)
+  finally:
+    proc.kill()
+    log.close()
+
+
+def test_sigkill_at_random_moments_then_rerun_is_bitwise_equal(reference, tmp_path):
+  """Kills inside the write of a random step (not the first, so a rerun resumes from a
+  checkpoint), at a random moment of the next run, and inside the next run's next write."""
+  seed = random.SystemRandom().randrange(2**32)
+  rng = random.Random(seed)
+  workdir = str(tmp_path / "run")
+  kills, killed_last = [], False
+  for i in range(3):
+    latest = checkpointing.latest_step(workdir) or 0
+    target = {0: rng.choice(range(2 * EVERY, STEPS, EVERY)), 1: None, 2: latest + EVERY}[i]
+    if target is not None and target > STEPS:
+      break
+    outcome = _run_until_killed(workdir, tmp_path / f"kill{i}.log", rng, target)
+    killed_last = outcome is not None
+    if outcome is None:
+      break
+    kills.append((target, outcome, checkpointing.latest_step(workdir)))
+  print(f"kills (write of step or None, landed inside a write, latest step after; seed "
+        f"{seed}): {kills}")
+  assert any(landed for _, landed, _ in kills), f"no kill inside a write (seed {seed}): {kills}"
+  assert kills[0][2] is not None, f"the first kill left no checkpoint (seed {seed}): {kills}"
+  proc, log = start(train_cmd(workdir), tmp_path / "final.log")
+  assert proc.wait(timeout=300) == 0, open(tmp_path / "final.log").read()
+  log.close()
+  text = open(tmp_path / "final.log").read()
+  assert "Traceback" not in text, text
+  if killed_last:
+    assert "taking over the lock" in text  # a SIGKILLed trainer's lock file is stale
+  assert not _tmp_checkpoints(workdir)  # interrupted writes are cleared
+  assert_bitwise_equal(workdir, reference)

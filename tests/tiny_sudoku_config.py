@@ -1,0 +1,10 @@
+"""The tests' tiny Sudoku SFT config as a config file, for runs of train.py in a subprocess.
+
+  python train.py --config=tests/tiny_sudoku_config.py --workdir=DIR [--config.KEY=VALUE ...]
+"""
+
+from tests.test_training import tiny_sudoku_config
+
+
+def get_config():
+  return tiny_sudoku_config()
