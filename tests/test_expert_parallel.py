@@ -98,7 +98,7 @@ def loss_and_grads(moe_impl, rules):  # the SFT loss and its gradients, sharded 
   params = jax.device_put(run_state.init_state(config, setup)["params"],
                           jax.tree_util.tree_map(lambda x: x.sharding, target["params"]))
   stage = trainer.SftStage(config, make_task(config), setup)
-  stage.start(None, None, 0)
+  stage.start(None, None, 0, None)
   batch, _ = stage.next_batch(0, None, None)
   batch = sharding.global_batch(batch, setup.mesh, setup.rules)
   loss = lambda p, b: stage.loss_fn(p, b, jax.random.PRNGKey(3))[0]
