@@ -106,7 +106,9 @@ def get_config(variant: str = "count"):
 
   c.optimizer = ml_collections.ConfigDict(dict(
       lr=3e-3, warmup_steps=100, schedule="cosine", end_lr_fraction=0.05, weight_decay=0.01,
-      b1=0.9, b2=0.99, grad_clip=1.0))
+      b1=0.9, b2=0.99, grad_clip=1.0,
+      # "adamw" | "adafactor" (factored second moments); moments stored in "float32" | "bfloat16".
+      name="adamw", state_dtype="float32"))
 
   c.data = ml_collections.ConfigDict(dict(
       train="", weights="", eval="", eval_fraction=0.0, tokenizer="bytes",

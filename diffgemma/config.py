@@ -14,7 +14,7 @@ FULL = "full_attention"
 
 # Gemma 4's default layer pattern: five sliding-window layers, then one full layer.
 SLIDING_PATTERN_PERIOD = 6
-MOE_IMPLS = ("ragged_dot", "tiled", "tiled_scan", "pallas")
+MOE_IMPLS = ("ragged_dot", "tiled", "tiled_scan", "pallas", "expert_parallel")
 ATTENTION_IMPLS = ("xla", "pallas")
 # Fields that say how to compute, not what the model is: a run that starts from a checkpoint
 # takes the architecture from the checkpoint and these from its own config.
@@ -68,7 +68,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   # "tiled": exact, faster on CPU; "tiled_scan": tiles in a loop, least memory; "pallas": the
-  # grouped kernel.
+  # grouped kernel; "expert_parallel": experts split over devices (model.moe_expert_parallel).
   moe_impl: str = "ragged_dot"
   moe_tile_size: int = 128  # rows per tile for moe_impl="tiled"
   # "xla": a materialised mask and two einsums; "pallas": the flash-style canvas-attention

@@ -102,13 +102,18 @@ def _base(cfg: OptimizerConfig, schedule) -> optax.GradientTransformation:
     tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                      mask=_matrices)
   else:
-    # Factored second moments over the last two axes of every matrix (experts included), full
-    # ones for vectors; the step size is the schedule's (no parameter-scale rule), momentum b1
-    # (0 = none, the memory-lean choice), clipping done globally below.
-    tx = optax.adafactor(schedule, min_dim_size_to_factor=1,
-                         multiply_by_parameter_scale=False, clipping_threshold=None,
-                         momentum=cfg.b1 or None, weight_decay_rate=cfg.weight_decay or None,
-                         weight_decay_mask=_matrices)
+    # Factored second moments over the two largest axes of every matrix (per expert for the
+    # stacked experts), full ones for vectors, Adafactor's step-dependent decay 1 - t^-0.8; the
+    # step size is the schedule's (no parameter-scale rule, no update clipping: clipping is
+    # global, below), momentum b1 (0 = none, the memory-lean choice). Weight decay is decoupled
+    # and scaled by the learning rate, as AdamW's: the update is -lr * (u + wd * param).
+    # (optax.adafactor adds wd * param after the learning rate, a 1% shrink per step at wd 0.01.)
+    tx = optax.chain(
+        optax.scale_by_factored_rms(min_dim_size_to_factor=1),
+        optax.ema(cfg.b1, debias=False) if cfg.b1 else optax.identity(),
+        optax.add_decayed_weights(cfg.weight_decay, mask=_matrices) if cfg.weight_decay
+        else optax.identity(),
+        optax.scale_by_learning_rate(schedule))
   return tx if cfg.state_dtype == "float32" else cast_state(tx, cfg.state_dtype)
 
 

@@ -202,6 +202,23 @@ def activation_rules(mesh: Mesh, rules: dict[str, str]):
     _ACTIVE.reset(token)
 
 
+def active_mesh() -> Mesh | None:
+  """The mesh of the enclosing `activation_rules`, or None outside it or on one device."""
+  active = _ACTIVE.get()
+  return None if active is None or active[0].size == 1 else active[0]
+
+
+def active_spec(axes, shape) -> PartitionSpec:
+  """`partition_spec` of logical `axes` under the enclosing `activation_rules`."""
+  mesh, rules = _ACTIVE.get()
+  return partition_spec(axes, shape, mesh, rules)
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, "fsdp" or ("data", "fsdp"))."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def batch_shards(batch: int) -> int:
   """Into how many pieces `constrain` splits a batch axis of this size (1 outside
   `activation_rules`)."""
@@ -209,8 +226,7 @@ def batch_shards(batch: int) -> int:
   if active is None:
     return 1
   mesh, rules = active
-  entry = partition_spec(("batch",), (batch,), mesh, rules)[0]
-  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  axes = entry_axes(partition_spec(("batch",), (batch,), mesh, rules)[0])
   return int(np.prod([mesh.shape[a] for a in axes]))
 
 

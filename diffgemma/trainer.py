@@ -37,8 +37,9 @@ INJECT_NONFINITE_ENV = "DIFFGEMMA_TEST_NONFINITE_STEP"
 def split_micro_batches(batch, accum: int):
   """[B, ...] leaves -> [accum, B / accum, ...]; micro-batch i holds rows i, i + accum, ...
   (each micro-batch spans every device of a batch-sharded layout)."""
+  # Explicit sizes, not -1: a leaf may have no elements (SD·RL's context with one canvas).
   return jax.tree_util.tree_map(
-      lambda x: x.reshape((-1, accum) + x.shape[1:]).swapaxes(0, 1), batch)
+      lambda x: x.reshape((x.shape[0] // accum, accum) + x.shape[1:]).swapaxes(0, 1), batch)
 
 
 def make_update_step(setup: Setup, loss_fn, state_sh=None, frozen_sh=None, batch_sh=None,

@@ -570,3 +570,17 @@ def test_sdrl_on_two_devices_matches_one_device(tmp_path):
                      capture_output=True, text=True, timeout=900,
                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_dry_run_plans_the_rollout_and_the_update_on_two_devices():
+  """`train.py --dry_run` of an SD·RL config compiles both of its programs on a simulated mesh."""
+  from tests.test_cli import run
+  r = run("train.py", "--config=sdrl_sudoku", "--dry_run", "--dry_run_devices=2",
+          "--config.model.num_layers=2", "--config.model.layer_types=()")
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = r.stdout
+  assert "dry run: 2 devices" in out, out
+  for program in ("update step", "rollout"):
+    line = next(l for l in out.splitlines() if l.startswith(f"{program}: peak "))
+    peak = float(line.split()[len(program.split()) + 1])
+    assert 0 < peak < 1.0 and "fits" in line, line
