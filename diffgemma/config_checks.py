@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import ml_collections
 
-from diffgemma import diffusion, losses, sampler
+from diffgemma import diffusion, losses, quantize, sampler
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "constant")
@@ -160,7 +160,8 @@ def _check_sampler_and_lora(config) -> None:
   _check_choice(config, "sampler.mode", (sampler.DIFFUSION, sampler.AR))
   _check_float(config, "lora.alpha", 0.0, low_open=True)
   _check_float(config, "lora.dropout", 0.0, 1.0, high_open=True)
-  _check_choice(config, "lora.base_dtype", DTYPES)
+  # int8 / int4: QLoRA, the frozen base quantized (diffgemma/quantize.py).
+  _check_choice(config, "lora.base_dtype", DTYPES + tuple(quantize.QTYPES))
 
 
 def validate_run_config(config: ml_collections.ConfigDict) -> None:

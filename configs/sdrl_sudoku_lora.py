@@ -1,0 +1,40 @@
+"""SD·RL of DiffusionGemma 26B-A4B with LoRA on Sudoku, on 2 x 80 GB GPUs.
+
+  python train.py --config=sdrl_sudoku_lora --workdir=runs/sdrl26b --init_from=/ckpt/dg26b
+  python train.py --config=sdrl_sudoku_lora --dry_run   # both programs on 2 simulated devices
+
+Model, numerics, LoRA and sharding are configs/sft_sudoku_lora.py's (rank-16 adapters on every
+linear over a frozen bfloat16 base split over both devices); the SD·RL section is
+configs/sdrl_sudoku.py's (mode "both", SFT anchor), its sizes chosen so that both programs fit:
+
+- the rollout program samples group_size x prompts_per_rollout = 4 x 2 = 8 rows (4 per
+  device). Each row's sampler state holds [C, V] float32 logits (256 x 262144 x 4 bytes =
+  256 MiB, several of them per step), so the rollout batch, not the weights, is what grows;
+- the update step trains on 8 rows x 4 states = 32 decoder passes of 256 tokens plus an SFT
+  anchor of 8 rows, in grad_accum_steps = 4 micro-batches: 8 states and 2 anchor rows at a
+  time, a smaller per-device load than the SFT LoRA plan's 4 rows (benchmarks/RESULTS.md).
+Rollouts stop at 16 denoising steps (as sdrl_sudoku), bounding a rollout at 16 decoder passes.
+"""
+
+from configs import sdrl_sudoku, sft_sudoku_lora
+
+
+def get_config():
+  c = sft_sudoku_lora.get_config()
+  rl = sdrl_sudoku.get_config()
+  c.num_train_steps = 400
+  c.log_every = 1
+  c.checkpoint_every = 20  # a multiple of sdrl.updates_per_rollout
+  c.optimizer.update({k: rl.optimizer[k] for k in ("lr", "schedule", "warmup_steps")})
+  c.data.curriculum_steps = 0  # the "sft" anchor trains on the target givens mix directly
+  c.eval.update({"every_steps": 100, "num_puzzles": 64})
+
+  c.sdrl = rl.sdrl
+  c.sdrl.update({"group_size": 4, "prompts_per_rollout": 2, "states_per_trajectory": 4,
+                 "anchor_batch_size": 8})
+  c.grad_accum_steps = 4  # divides the 8 rollout rows and the 8 anchor rows
+  # The rollout sampler: this model's evaluation sampler (256-token canvas), cut at 16 steps
+  # with the temperatures those steps have in the 48-step schedule (as sdrl_sudoku).
+  cut = {k: rl.sdrl.rollout_sampler[k] for k in ("max_denoising_steps", "t_min")}
+  c.sdrl.rollout_sampler = dict(c.sampler.to_dict(), **cut)
+  return c
