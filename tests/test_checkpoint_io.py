@@ -306,3 +306,36 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
   assert saved.model.hidden_size == 16 and saved.init_from == os.path.abspath(exported)
   last = train_loop.train(wider, finetune, init_from=exported)
   assert np.isfinite(last["loss"]) and checkpointing.latest_step(finetune) == 2
+
+
+def _record_restored_leaves(monkeypatch) -> list[str]:
+  """Names of the checkpoint leaves orbax deserializes from now on (its per-leaf handlers)."""
+  from orbax.checkpoint import type_handlers
+
+  names = []
+  for handler in (type_handlers.ArrayHandler, type_handlers.NumpyHandler,
+                  type_handlers.ScalarHandler):
+    original = handler.deserialize
+
+    async def spy(self, infos, args=None, _original=original):
+      names.extend(info.name for info in infos)
+      return await _original(self, infos, args)
+
+    monkeypatch.setattr(handler, "deserialize", spy)
+  return names
+
+
+def test_eval_of_a_full_fine_tuning_workdir_reads_no_optimizer_state(tmp_path, monkeypatch):
+  from diffgemma import run_state, runs, train_loop
+  from tests.test_training import tiny_sudoku_config
+
+  workdir = str(tmp_path / "full")
+  train_loop.train(tiny_sudoku_config(workdir_steps=2), workdir)
+  read = _record_restored_leaves(monkeypatch)
+  run_state.restore_run(workdir)  # the trainer's restore: the spy sees the optimizer state
+  assert any(name.startswith("opt_state") for name in read), sorted(set(read))[:10]
+  read.clear()
+  run = runs.load_run(workdir)  # what eval.py and sample.py do
+  num_params = len(jax.tree_util.tree_leaves(run.params))
+  assert read and all(name.startswith("params.") for name in read), sorted(set(read))[:10]
+  assert len(read) == num_params
