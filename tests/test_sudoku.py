@@ -379,3 +379,26 @@ def test_step_profile_against_a_loop():
           want["given_entropy"] += entropy
     for key in data.STEP_PROFILE_KEYS:
       np.testing.assert_allclose(got[key][s], want[key], rtol=1e-6, err_msg=f"{key}, step {s}")
+
+
+def test_plateau_warning_fires_only_from_the_check_step_below_the_threshold():
+  """SudokuTask.plateau_warning on hand-made eval metrics: one line from
+  eval.plateau_check_step on while blank-cell accuracy is below eval.plateau_blank_accuracy;
+  nothing before that step, for a healthy run, without the metric, or with the check off."""
+  from configs import sft_sudoku
+
+  config = sft_sudoku.get_config()
+  config.eval.plateau_check_step = 1000
+  config.eval.plateau_blank_accuracy = 0.5
+  task = data.SudokuTask(config)
+  stuck = {"blank_cell_accuracy": 0.2, "given_cell_accuracy": 0.9}
+  healthy = {"blank_cell_accuracy": 0.6, "given_cell_accuracy": 1.0}
+  assert task.plateau_warning(999, stuck) is None  # too early to tell
+  warning = task.plateau_warning(1000, stuck)
+  assert warning.startswith("warning: at step 1000 blank-cell accuracy is 20.0%")
+  assert "\n" not in warning and "50%" in warning
+  assert task.plateau_warning(1500, stuck) is not None  # still stuck later
+  assert task.plateau_warning(1500, healthy) is None
+  assert task.plateau_warning(1500, {"given_cell_accuracy": 0.9}) is None  # no blank metric
+  config.eval.plateau_check_step = 0  # off
+  assert data.SudokuTask(config).plateau_warning(1500, stuck) is None
