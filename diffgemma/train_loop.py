@@ -31,7 +31,7 @@ from diffgemma import (
   trainer,
   workdir_lock,
 )
-from diffgemma.tasks import make_task
+from diffgemma.tasks import make_task, task_name, tokenization_keys
 from diffgemma.tasks.base import Task
 from diffgemma.tb_writer import SummaryWriter
 
@@ -51,6 +51,32 @@ def make_stage(config, task: Task, setup: run_state.Setup):
 
     return sdrl.SdrlStage(config, task, setup)
   return trainer.SftStage(config, task, setup)
+
+
+def _adopt_tokenization(config, init_from: str, overridden) -> None:
+  """A run started from a training run of the same task keeps its token mapping (e.g. Sudoku's
+  data.prompt_format): the starting model's embeddings were trained on it."""
+  if not os.path.isfile(os.path.join(init_from, "config.json")):
+    return  # a model checkpoint, not a training run
+  source = checkpointing.load_config(init_from)
+  try:
+    same_task = task_name(source) == task_name(config)
+  except ValueError:
+    return  # an unknown task name: make_task reports it
+  if not same_task:
+    return
+  for key in tokenization_keys(config):
+    section, name = key.split(".")
+    theirs = source.get(section, {}).get(name)
+    ours = config.get(section, {}).get(name)
+    if theirs is None or theirs == ours:
+      continue
+    if key in (overridden or ()):
+      raise errors.ConfigError(f"--config.{key}={ours} differs from {theirs!r}, which the run in "
+                               f"{init_from} was trained with; drop the override")
+    with config.unlocked():
+      config[section][name] = theirs
+    print(f"  {key}: {ours!r} -> {theirs!r} (from {init_from})")
 
 
 def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
@@ -74,6 +100,7 @@ def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
     with config.unlocked():
       config.init_from = os.path.abspath(init_from)
     run_state.adopt_checkpoint_architecture(config, init_from)
+    _adopt_tokenization(config, init_from, overridden)
   elif is_sdrl(config) and not planning:
     raise checkpointing.CheckpointError(
         "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")

@@ -213,3 +213,21 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
       u_rows = [r for r in range(b) for _ in range(k)]
       expected = by_history(np.tile(np.arange(k), b), t_rng, noise_rng, u_rows)
     np.testing.assert_allclose(metrics["decoder_loss"], expected, rtol=2e-5)
+
+
+def test_a_run_from_a_sudoku_run_keeps_its_prompt_format(tmp_path, capsys):
+  """The starting run's embeddings were trained on its token mapping: --init_from adopts
+  data.prompt_format (with a notice), and an override that contradicts it is a one-line error."""
+  from diffgemma import checkpointing, errors, train_loop
+
+  source = tiny_sudoku_config()
+  source.data.prompt_format = "cell_tokens"
+  source.model.vocab_size = 832
+  os.makedirs(tmp_path / "checkpoints")
+  checkpointing.save_config(str(tmp_path), source)
+  config, task, _, _ = train_loop.prepare_config(tiny_sudoku_config(), None, str(tmp_path))
+  assert config.data.prompt_format == "cell_tokens" and task.prompt_format == "cell_tokens"
+  assert "data.prompt_format: 'digits' -> 'cell_tokens'" in capsys.readouterr().out
+  with pytest.raises(errors.ConfigError, match="drop the override"):
+    train_loop.prepare_config(tiny_sudoku_config(), None, str(tmp_path),
+                              overridden={"data.prompt_format"})

@@ -25,10 +25,16 @@ def task_name(config: ml_collections.ConfigDict) -> str:
   return name
 
 
+def tokenization_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """Config keys ("section.key") that fix how the task maps records to token ids: a run started
+  from another run of the same task must keep them (its embeddings were trained on them)."""
+  return tuple(getattr(importlib.import_module(TASKS[task_name(config)]), "TOKENIZATION_KEYS", ()))
+
+
 def make_task(config: ml_collections.ConfigDict, training: bool = True) -> Task:
   """The run's task, built from (and validating) its config sections; ValueError if bad.
   `training=False` (evaluation, sampling): the task need not read its training data."""
   return importlib.import_module(TASKS[task_name(config)]).from_config(config, training)
 
 
-__all__ = ["Layout", "Prompts", "Task", "TASKS", "make_task", "task_name"]
+__all__ = ["Layout", "Prompts", "Task", "TASKS", "make_task", "task_name", "tokenization_keys"]

@@ -237,6 +237,10 @@ class RewardConfig:
                        f"{self.partial_weight}")
 
 
+# A run started from a Sudoku run keeps its prompt format (tasks.tokenization_keys).
+TOKENIZATION_KEYS = ("data.prompt_format",)
+
+
 class SudokuTask(Task):
   """Sudoku solving: one prompt of 81 cells, the 81 digits of the solution as canvases."""
 
