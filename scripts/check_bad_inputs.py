@@ -36,7 +36,7 @@ TINY = "--config=tests/tiny_sudoku_config.py"
 # tqdm progress bars and the notices a tool prints before going on are not error lines.
 NOTICE = re.compile(r"^(warning: |note: |moved damaged |using checkpoint |resumed from |"
                     r"changed on resume)")
-PROGRESS = re.compile(r"^\s*(train|eval|sdrl):")
+PROGRESS = re.compile(r"^\s*(train|sft|eval|sdrl):")
 
 
 @dataclasses.dataclass

@@ -344,9 +344,10 @@ class SudokuTask(Task):
     if blank >= e.get("plateau_blank_accuracy", 0.0):
       return None
     return (f"warning: at step {step} blank-cell accuracy is {blank:.1%} (a healthy run is "
-            f"above {e.plateau_blank_accuracy:.0%} by step {check_step}): the run looks stuck "
-            "copying the givens; try another --config.seed, or a longer "
-            "--config.data.curriculum_steps")
+            f"above {e.plateau_blank_accuracy:.0%} by step {check_step}): the run is still on the "
+            "copy plateau (givens copied, blanks guessed); data.prompt_format=digits leaves it "
+            "within ~100 steps, else try another --config.seed; "
+            "scripts/sudoku_diagnostics.py shows where it stands")
 
   def profile_trajectory(self, prompts: Prompts, trajectory) -> dict:
     puzzles, solutions = _puzzles_and_solutions(prompts)
