@@ -288,7 +288,8 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
   # Every puzzle ran step 1; the profile's step counts add up to the decoder passes.
   assert sum(profile["rows"]) == 4 * metrics["decoder_passes"]
   assert "step  puzzles" in r.stdout
-  one_line_error(run("eval.py", f"--init_from={exported}", f"--data={csv}"), "too small")
+  one_line_error(run("eval.py", f"--init_from={exported}", f"--data={csv}", "--config=sft_sudoku",
+                     "--config.data.prompt_format=cell_tokens"), "too small")
 
   # A new run whose config asks for a different architecture adopts the checkpoint's, starts
   # from its exact parameters, records where it came from, and resumes under it.
