@@ -106,7 +106,7 @@ def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
         "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")
   try:
     run_config.validate(config)
-    task = make_task(config)
+    task = make_task(config, planning=planning)
     if config.model.vocab_size < task.min_vocab_size:
       raise ValueError(f"model.vocab_size={config.model.vocab_size} is too small for the task "
                        f"(needs {task.min_vocab_size})")

@@ -474,3 +474,17 @@ def test_rollouts_and_rewards(tmp_path, monkeypatch):
   c.sdrl = {"reward": "bleu"}
   with pytest.raises(ValueError, match="sdrl.reward"):
     make_task(c)
+
+
+def test_a_memory_plan_of_a_chat_recipe_needs_no_tokenizer_or_data():
+  """--dry_run of the PubMedQA recipe without --init_from or data: the plan needs the layout
+  only, so the byte tokenizer stands in and no file is read."""
+  from configs import sft_pubmedqa_lora
+  from diffgemma import train_loop
+
+  config, task, _, _ = train_loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None,
+                                                 planning=True)
+  assert (task.layout.prompt_len, task.layout.num_canvases) == (1024, 2)
+  assert task.layout.canvas_length == config.model.canvas_length == 256
+  with pytest.raises(ValueError, match="no tokenizer"):  # a real run still needs one
+    train_loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None)

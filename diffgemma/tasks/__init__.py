@@ -12,7 +12,7 @@ import ml_collections
 
 from diffgemma.tasks.base import Layout, Prompts, Task
 
-# name -> module defining `from_config(config, training) -> Task`.
+# name -> module defining `from_config(config, training, planning) -> Task`.
 TASKS = {"sudoku": "diffgemma.tasks.sudoku", "chat": "diffgemma.tasks.chat"}
 DEFAULT_TASK = "sudoku"  # configs written before tasks existed are Sudoku runs
 
@@ -31,10 +31,13 @@ def tokenization_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
   return tuple(getattr(importlib.import_module(TASKS[task_name(config)]), "TOKENIZATION_KEYS", ()))
 
 
-def make_task(config: ml_collections.ConfigDict, training: bool = True) -> Task:
+def make_task(config: ml_collections.ConfigDict, training: bool = True,
+              planning: bool = False) -> Task:
   """The run's task, built from (and validating) its config sections; ValueError if bad.
-  `training=False` (evaluation, sampling): the task need not read its training data."""
-  return importlib.import_module(TASKS[task_name(config)]).from_config(config, training)
+  `training=False` (evaluation, sampling): the task need not read its training data.
+  `planning` (--dry_run): only the layout and shapes matter; no data is read."""
+  return importlib.import_module(TASKS[task_name(config)]).from_config(
+      config, training and not planning, planning)
 
 
 __all__ = ["Layout", "Prompts", "Task", "TASKS", "make_task", "task_name", "tokenization_keys"]

@@ -527,14 +527,19 @@ class ChatTask(Task):
     return score_B, score_B >= 1.0
 
 
-def from_config(config: ml_collections.ConfigDict, training: bool = True) -> ChatTask:
+def from_config(config: ml_collections.ConfigDict, training: bool = True,
+                planning: bool = False) -> ChatTask:
   """The chat task of a run config (`config.init_from`: the checkpoint the run starts from, if
   any; its tokenizer is the default). Reads and checks all data; ValueError (one line). With
-  `training=False` (evaluating or sampling a finished run) the training files are not read."""
+  `training=False` (evaluating or sampling a finished run) the training files are not read.
+  `planning` (--dry_run): a memory plan needs the layout only, so without a tokenizer or an
+  init_from the byte tokenizer stands in."""
   settings = settings_from_config(config)
   if not training:
     settings = dataclasses.replace(settings, train=(), weights=(), eval_file="",
                                    eval_fraction=0.0)
+  if planning and not settings.tokenizer and not config.get("init_from"):
+    settings = dataclasses.replace(settings, tokenizer=tokenizer_lib.BYTES)
   tok = load_tokenizer(settings, config.get("init_from"))
   model = config.model
   for name, ours in (("pad", tok.pad_id), ("eos", tok.eos_id), ("bos", tok.bos_id)):

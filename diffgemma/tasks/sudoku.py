@@ -447,6 +447,7 @@ class SudokuTask(Task):
     return weights
 
 
-def from_config(config: ml_collections.ConfigDict, training: bool = True) -> SudokuTask:
-  del training  # puzzles are generated on demand: nothing to read either way
+def from_config(config: ml_collections.ConfigDict, training: bool = True,
+                planning: bool = False) -> SudokuTask:
+  del training, planning  # puzzles are generated on demand: nothing to read either way
   return SudokuTask(config)
