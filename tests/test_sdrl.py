@@ -73,13 +73,7 @@ def save_sft_run(sft, workdir):
 CFG = run_config.model_config(tiny_configs()[1])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_compile():
-  """XLA's CPU optimisations cost far more compile time than these tiny programs run."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
