@@ -1,0 +1,74 @@
+"""scripts/chat_stop_diagnostics.py: the stop canvas and the end-of-turn position of each example,
+and the probe's shares against a brute-force count over the same decoder pass."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffgemma import diffusion, model
+from diffgemma.config import ModelConfig
+from diffgemma.tasks import make_task
+from tests.test_chat import chat, make_config, write_jsonl
+from tests.test_chat_scripts import load_script
+
+diag = load_script("chat_stop_diagnostics")
+
+
+def test_stop_canvas_and_position_by_hand(tmp_path):
+  # Canvases of 4 byte tokens; each reply is followed by <turn|> then EOS fill.
+  path = write_jsonl(tmp_path / "d.jsonl", [chat("a", "xyz"), chat("b", "wxyz"),
+                                            chat("c", "uvwxyzab"), chat("d", "abcdefg")])
+  task = make_task(make_config(path, canvas_length=4, prompt_len=24, num_canvases=3))
+  tokens, valid, mask, stop_canvas, end = diag.stop_canvas_batch(task, path, num=10)
+  # "xyz<turn|>" fills canvas 0; "wxyz<turn|>" ends at slot 4 = canvas 1, position 0;
+  # 8 letters + <turn|>: canvas 2, position 0; 7 letters: canvas 1, position 3.
+  np.testing.assert_array_equal(stop_canvas, [0, 1, 2, 1])
+  np.testing.assert_array_equal(end, [3, 0, 0, 3])
+  eot = task.tokenizer.eot_id
+  for row, (k, e) in enumerate(zip(stop_canvas, end)):
+    assert tokens[row, 24 + 4 * k + e] == eot
+  assert mask.shape == tokens.shape == valid.shape == (4, 24 + 3 * 4)
+
+
+def test_probe_shares_equal_a_brute_force_count(tmp_path):
+  path = write_jsonl(tmp_path / "d.jsonl", [chat(f"q{i}", "ab" * i) for i in range(1, 9)])
+  config = make_config(path, canvas_length=4, prompt_len=16, num_canvases=5)
+  task = make_task(config)
+  cfg = ModelConfig(**{**config.model.to_dict(), "hidden_size": 32, "intermediate_size": 32,
+                       "num_layers": 2, "layer_types": (), "moe_intermediate_size": 16})
+  params = model.init_params(cfg, jax.random.PRNGKey(1))
+  batch = diag.stop_canvas_batch(task, path, num=8)
+  probe = diag.make_probe(cfg, task.layout, task.stop_token_ids, "linear")
+  rng = jax.random.PRNGKey(3)
+  out = probe(params, *batch, 0.6, rng)
+
+  # Brute force: the same corruption and decoder pass, counted per row in numpy.
+  tokens, valid, mask, stop_canvas, end = batch
+  p, c = 16, 4
+  encode_len = p + 4 * c
+  start = p + stop_canvas * c
+  clean = np.stack([tokens[i, s:s + c] for i, s in enumerate(start)])
+  canvas_mask = np.stack([mask[i, s:s + c] for i, s in enumerate(start)])
+
+  @jax.jit
+  def predict(params):
+    _, cache = model.encode(params, cfg, tokens[:, :encode_len],
+                            model.init_cache(cfg, 8, encode_len), valid[:, :encode_len])
+    noisy = diffusion.corrupt(rng, clean, jnp.full((8,), 0.6), cfg.vocab_size, "linear",
+                              canvas_mask)
+    return jnp.argmax(model.decode(params, cfg, noisy, cache, start), -1)
+
+  predicted = np.asarray(predict(params))
+  exact = early = late = correct = total = 0
+  for i in range(8):
+    stops = [j for j in range(c) if predicted[i, j] in task.stop_token_ids]
+    first = stops[0] if stops else c
+    exact += first == end[i]
+    early += first < end[i]
+    late += first > end[i]
+    correct += sum(predicted[i, j] == clean[i, j] for j in range(end[i]))
+    total += end[i]
+  np.testing.assert_allclose(float(out["stop_exact"]), exact / 8, atol=1e-6)
+  np.testing.assert_allclose(float(out["stop_early"]), early / 8, atol=1e-6)
+  np.testing.assert_allclose(float(out["stop_late"]), late / 8, atol=1e-6)
+  np.testing.assert_allclose(float(out["content_accuracy"]), correct / max(total, 1), atol=1e-6)
