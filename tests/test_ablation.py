@@ -16,8 +16,6 @@ from diffgemma.tasks import sudoku_puzzles as sudoku
 from diffgemma.tasks import sudoku_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Lighter XLA compilation for the subprocesses: these programs are tiny.
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 # tests/test_training.py's tiny Sudoku model; 2 steps, an eval at the end (2 puzzles, 2 steps).
 TINY_CONFIG = '''
@@ -54,7 +52,7 @@ PUZZLE = "53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419.
 
 
 def run(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                         env=env, timeout=600)
 

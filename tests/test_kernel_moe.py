@@ -14,8 +14,6 @@ from diffgemma import model
 from diffgemma.config import tiny
 from diffgemma.kernels import moe as kmoe
 
-# XLA's CPU backend optimisations cost far more compile time than these tiny programs run.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 # name: (group sizes, M, D, I, (block_m, block_n, block_k), dtype, with row weights)
@@ -77,7 +75,7 @@ def value_and_grads(fn, inputs):
     return y, dict(zip(names, vjp(cotangent)))
 
   args = tuple(inputs[k] for k in names)
-  return jax.jit(run).lower(args, inputs["cotangent"]).compile(FAST_COMPILE)(
+  return jax.jit(run).lower(args, inputs["cotangent"]).compile()(
       args, inputs["cotangent"])
 
 
@@ -111,7 +109,7 @@ def test_expert_mlp_matches_float64_loop():
   args = (inputs["x"], jnp.asarray(group_sizes), inputs["gate_up"], inputs["down"],
           inputs["row_weights"])
   run = lambda *a: kmoe.expert_mlp(*a, block_m=bm, block_n=bn, block_k=bk)
-  y = jax.jit(run).lower(*args).compile(FAST_COMPILE)(*args)
+  y = jax.jit(run).lower(*args).compile()(*args)
   x, gate_up, down, weights = (np.asarray(inputs[k], np.float64)
                                for k in ("x", "gate_up", "down", "row_weights"))
   gelu = lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
@@ -166,7 +164,7 @@ def test_model_moe_pallas_equals_tiled():
       y, vjp = jax.vjp(layer, x, params)
       return y, vjp(cotangent)
 
-    return jax.jit(value_and_vjp).lower(x, params).compile(FAST_COMPILE)(x, params)
+    return jax.jit(value_and_vjp).lower(x, params).compile()(x, params)
 
   ours = run(lambda *a: model.moe(*a, cfg.replace(moe_impl="pallas")))
   ref = run(lambda *a: model.moe(*a, cfg))

@@ -73,7 +73,6 @@ def save_sft_run(sft, workdir):
 CFG = run_config.model_config(tiny_configs()[1])
 
 
-pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ SAMPLER_PUZZLES = 2
 LEVELS = (0.5, 1.0)
 
 
-pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
