@@ -416,6 +416,7 @@ def cases() -> list[Case]:
             "--max_givens=18", "--num=1"], needle="18 givens"),
       Case("scalars", "--workdir without event files",
            ["scripts/print_scalars.py", "--workdir={tmp}/nothing"], needle="no scalars"),
+      *chat_cases(),
   ]
   if _tmpfs_available():
     out.append(Case(
@@ -426,6 +427,68 @@ def cases() -> list[Case]:
         wrap=["unshare", "-m", "sh", "-c",
               "mount -t tmpfs -o size=900k tmpfs {tmp}/mnt && exec \"$0\" \"$@\"", "sh", "-c"]))
   return out
+
+
+def chat_line(user: str, assistant: str | None) -> str:
+  messages = [{"role": "user", "content": user}]
+  if assistant is not None:
+    messages.append({"role": "assistant", "content": assistant})
+  return json.dumps({"messages": messages})
+
+
+def chat_file(name: str, *lines: str) -> Callable[[dict], None]:
+  """A JSONL file whose first line is a good conversation and whose next lines are `lines`."""
+  return write_file(name, "\n".join([chat_line("Count from 1 to 3.", "1 2 3"), *lines]) + "\n")
+
+
+def tokenizer_without_template(paths: dict) -> None:
+  from tests.test_tokenizer import write_tokenizer_json  # a small Gemma-like tokenizer.json
+
+  write_tokenizer_json(os.path.join(paths["tmp"], "tok_no_template"))
+  chat_file("ok.jsonl")(paths)
+
+
+def chat_cases() -> list[Case]:
+  """The chat task's bad inputs: data, tokenizer, layout, and its scripts."""
+  train = ["train.py", "--config=sft_chat", "--workdir={tmp}/chat_new"]
+  data = lambda name: f"--config.data.train={{tmp}}/{name}"
+  case = lambda name, argv, needle, setup=None: Case(
+      "chat", name, argv, needle=needle, setup=setup, check=no_config_left("chat_new"))
+  return [
+      case("no --config.data.train", train, "data.train"),
+      case("JSONL line that is not JSON", train + [data("notjson.jsonl")], "notjson.jsonl:2",
+           chat_file("notjson.jsonl", "{not json")),
+      case("conversation with no assistant turn", train + [data("noreply.jsonl")],
+           "noreply.jsonl:2", chat_file("noreply.jsonl", chat_line("hi", None))),
+      case("unknown role", train + [data("role.jsonl")], "role.jsonl:2",
+           chat_file("role.jsonl", json.dumps({"messages": [
+               {"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}))),
+      case("tokenizer directory without a chat template",
+           train + [data("ok.jsonl"), "--config.data.tokenizer={tmp}/tok_no_template"],
+           "no chat template", tokenizer_without_template),
+      case("prompt too long under data.overflow=error",
+           train + [data("long.jsonl"), "--config.data.overflow=error"], "long.jsonl:2",
+           chat_file("long.jsonl", chat_line("Count " * 40, "1"))),
+      case("reply too long under data.overflow=error",
+           train + [data("longreply.jsonl"), "--config.data.overflow=error"], "longreply.jsonl:2",
+           chat_file("longreply.jsonl", chat_line("hi", "1 " * 200))),
+      case("data.eval_fraction and data.eval both",
+           train + [data("ok.jsonl"), "--config.data.eval_fraction=0.1",
+                    "--config.data.eval={tmp}/ok.jsonl"], "not both", chat_file("ok.jsonl")),
+      case("eval.metric=regex without eval.answer_regex",
+           train + [data("ok.jsonl"), "--config.eval.metric=regex"], "answer_regex",
+           chat_file("ok.jsonl")),
+      case("data.weights of the wrong length",
+           train + [data("ok.jsonl"), "--config.data.weights=1,2"], "data.weights",
+           chat_file("ok.jsonl")),
+      Case("chat", "make_chat_task --task=add", ["scripts/make_chat_task.py", "--task=add",
+                                                  "--num=2", "--out={tmp}/t.jsonl"],
+           needle="--task"),
+      Case("chat", "convert_gsm8k: a line without ####",
+           ["scripts/convert_gsm8k.py", "--train={tmp}/gsm.jsonl", "--out_dir={tmp}/gsm_out"],
+           needle="gsm.jsonl:1",
+           setup=write_file("gsm.jsonl", json.dumps({"question": "1+1?", "answer": "2"}) + "\n")),
+  ]
 
 
 def _finite_checkpoints_only(workdir: str) -> str | None:
