@@ -123,7 +123,7 @@ def _train(paths: dict, *extra: str) -> None:
 
 def make_fixtures(tmp: str) -> dict:
   """A trained tiny run (steps 2 and 4), a CSV of puzzles, and paths for the cases."""
-  from diffgemma import sudoku
+  from diffgemma.tasks import sudoku_puzzles as sudoku
 
   paths = {"tmp": tmp, "run": os.path.join(tmp, "run"), "csv": os.path.join(tmp, "p.csv")}
   _train(paths)
@@ -209,7 +209,7 @@ def write_file(name: str, text: str) -> Callable[[dict], None]:
 
 
 def bad_solution_csv(paths: dict) -> None:
-  from diffgemma import sudoku
+  from diffgemma.tasks import sudoku_puzzles as sudoku
 
   puzzles, solutions = sudoku.generate_puzzles(1, 1, 40, 40)
   quiz = "".join(map(str, puzzles[0]))

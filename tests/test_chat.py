@@ -296,8 +296,11 @@ def test_bad_config_and_tokenizer(tmp_path):
     make_task(c)
   with pytest.raises(ValueError, match="not found"):
     make_task(make_config(str(tmp_path / "missing.jsonl")))
-  # No training data: a task for evaluation only; asking it for batches is the error.
-  task = make_task(make_config(""))
+  # Training without data is a config error.
+  with pytest.raises(ValueError, match="data.train"):
+    make_task(make_config(""))
+  # A task for evaluation only reads no training data; asking it for batches is the error.
+  task = make_task(make_config(""), training=False)
   with pytest.raises(ValueError, match="data.train"):
     task.train_batches(2, 1)
 
@@ -405,7 +408,7 @@ def reply_row(task, text, stop=True, fill=0):
 def test_metrics(tmp_path, metric, regex, reply, reference, correct):
   c = make_config("", prompt_len=32, num_canvases=8)
   c.eval.metric, c.eval.answer_regex = metric, regex
-  task = make_task(c)
+  task = make_task(c, training=False)
   from diffgemma.tasks.base import Prompts
 
   prompts = Prompts(np.zeros((1, 32), np.int32), np.ones((1, 32), bool), [reference],
@@ -419,7 +422,7 @@ def test_metrics(tmp_path, metric, regex, reply, reference, correct):
 
 
 def test_reply_stops_at_first_stop_id_and_drops_pads(tmp_path):
-  task = make_task(make_config("", prompt_len=32, num_canvases=4))
+  task = make_task(make_config("", prompt_len=32, num_canvases=4), training=False)
   tok = task.tokenizer
   row = np.full(16, tok.pad_id, np.int32)
   row[:10] = tok.encode("ab") + [tok.pad_id] + tok.encode("c") + [tok.eos_id] + tok.encode("dd") \
@@ -476,7 +479,7 @@ def test_rollouts_and_rewards(tmp_path, monkeypatch):
     make_task(c)
 
 
-def test_a_memory_plan_of_a_chat_recipe_needs_no_tokenizer_or_data():
+def test_a_memory_plan_of_a_chat_recipe_needs_no_tokenizer_or_data(tmp_path):
   """--dry_run of the PubMedQA recipe without --init_from or data: the plan needs the layout
   only, so the byte tokenizer stands in and no file is read."""
   from configs import sft_pubmedqa_lora
@@ -486,5 +489,10 @@ def test_a_memory_plan_of_a_chat_recipe_needs_no_tokenizer_or_data():
                                                  planning=True)
   assert (task.layout.prompt_len, task.layout.num_canvases) == (1024, 2)
   assert task.layout.canvas_length == config.model.canvas_length == 256
-  with pytest.raises(ValueError, match="no tokenizer"):  # a real run still needs one
+  # A real run still needs both.
+  with pytest.raises(ValueError, match="data.train"):
     train_loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None)
+  config = sft_pubmedqa_lora.get_config()
+  config.data.train = write_jsonl(tmp_path / "d.jsonl", [chat("q", "a")])
+  with pytest.raises(ValueError, match="no tokenizer"):
+    train_loop.prepare_config(config, None, None)

@@ -40,6 +40,14 @@ def test_inconsistent_config_value(tmp_path):
   one_line_error(r, "vocab_size")
 
 
+def test_chat_training_without_data(tmp_path):
+  """Training needs data.train: one line before the workdir exists (it once failed with a
+  traceback after creating the workdir)."""
+  workdir = tmp_path / "w"
+  one_line_error(run("train.py", "--config=sft_chat", f"--workdir={workdir}"), "data.train")
+  assert not workdir.exists()
+
+
 def new_run_dir(tmp_path):
   """A workdir with a Sudoku run's config and no checkpoint yet: the task is known, so input is
   checked before anything asks for weights."""

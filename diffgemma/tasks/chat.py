@@ -35,6 +35,7 @@ from diffgemma.tasks.base import Layout, Prompts, Task
 DEFAULT_REWARD = "exact"
 # Seed streams of the two index orders drawn from the training split.
 _TRAIN_STREAM, _ROLLOUT_STREAM = 1, 2
+NO_TRAINING_DATA = "no training data: set data.train (e.g. --config.data.train=FILE.jsonl)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +345,7 @@ class ChatTask(Task):
 
   def _require_train(self):
     if not self._train:
-      raise ValueError("no training data: set data.train (e.g. --config.data.train=FILE.jsonl)")
+      raise ValueError(NO_TRAINING_DATA)
 
   def train_batches(self, batch_size: int, num_steps: int, start_step: int = 0,
                     process_index: int = 0, process_count: int = 1):
@@ -530,14 +531,17 @@ class ChatTask(Task):
 def from_config(config: ml_collections.ConfigDict, training: bool = True,
                 planning: bool = False) -> ChatTask:
   """The chat task of a run config (`config.init_from`: the checkpoint the run starts from, if
-  any; its tokenizer is the default). Reads and checks all data; ValueError (one line). With
-  `training=False` (evaluating or sampling a finished run) the training files are not read.
+  any; its tokenizer is the default). Reads and checks all data; ValueError (one line), also
+  when training has no data.train. With `training=False` (evaluating or sampling a finished
+  run) the training files are not read.
   `planning` (--dry_run): a memory plan needs the layout only, so without a tokenizer or an
   init_from the byte tokenizer stands in."""
   settings = settings_from_config(config)
   if not training:
     settings = dataclasses.replace(settings, train=(), weights=(), eval_file="",
                                    eval_fraction=0.0)
+  elif not planning and not settings.train:
+    raise ValueError(NO_TRAINING_DATA)
   if planning and not settings.tokenizer and not config.get("init_from"):
     settings = dataclasses.replace(settings, tokenizer=tokenizer_lib.BYTES)
   tok = load_tokenizer(settings, config.get("init_from"))
