@@ -67,6 +67,8 @@ def main(argv):
     raise cli.UserError(f"--limit must be positive, got {_LIMIT.value}")
   if _BATCH.value is not None and _BATCH.value <= 0:
     raise cli.UserError(f"--batch_size must be positive, got {_BATCH.value}")
+  if os.path.isdir(_DATA.value):
+    raise cli.UserError(f"--data {_DATA.value!r} is a directory; pass a CSV or JSONL file")
   if not os.path.isfile(_DATA.value):
     raise cli.UserError(f"--data file {_DATA.value!r} not found")
   from diffgemma import evaluation, runs

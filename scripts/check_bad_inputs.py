@@ -3,8 +3,9 @@
   python scripts/check_bad_inputs.py [--out=benchmarks/bad_inputs.md] [--only=lock,resume]
 
 Each case runs train.py, eval.py, sample.py or a script in a subprocess, on a tiny Sudoku model
-(tests/tiny_sudoku_config.py) in a temporary directory, and checks the contract: a bad input
-ends with exit code 2 and exactly one `error:` line on stderr, never a traceback; a recoverable
+(tests/tiny_sudoku_config.py, or the chat task's byte-level config) in a temporary directory,
+and checks the contract: a bad input ends with exit code 2 (3: a run its own guard stopped,
+such as a divergence) and exactly one `error:` line on stderr, never a traceback; a recoverable
 problem (a damaged newest checkpoint, a stale lock) is a one-line notice and the tool goes on.
 The table lists the command, the exit code and the message. Exit status: 0 if every case holds.
 Takes a few minutes on a 2-core CPU (a few cases train a few steps).
@@ -44,11 +45,12 @@ class Case:
   area: str
   name: str
   argv: list[str]  # the tool and its flags; {tmp}, {run}, {csv} are filled in
-  expect: str = "error"  # "error": exit 2 + one error line; "ok": exit 0 (+ notices)
+  expect: str = "error"  # "error": exit `code` + one error line; "ok": exit 0 (+ notices)
   needle: str = ""  # a word the message must contain
   setup: Callable[[dict], None] | None = None  # prepares files; gets the paths dict
   check: Callable[[dict], str | None] | None = None  # afterwards: a problem, or None
   wrap: list[str] | None = None  # a command the tool runs under (e.g. a small tmpfs)
+  code: int = 2  # the exit code of an "error" case (3: a run stopped by its own guard)
 
 
 def _python():
@@ -74,7 +76,7 @@ def run_case(case: Case, paths: dict) -> dict:
   if "Traceback" in r.stderr or "Traceback" in r.stdout:
     problems.append("traceback")
   if case.expect == "error":
-    if r.returncode != 2:
+    if r.returncode != case.code:
       problems.append(f"exit {r.returncode}")
     if len(errors) != 1 or not errors[0].startswith("error: "):
       problems.append(f"{len(errors)} error lines")
@@ -138,16 +140,19 @@ def _copy_run(paths: dict, name: str) -> str:
   return dest
 
 
-def _largest_data_file(step_dir: str) -> str:
-  files = [os.path.join(d, f) for d, _, names in os.walk(step_dir) for f in names
-           if f"{os.sep}d{os.sep}" in os.path.join(d, f)]
-  return max(files, key=os.path.getsize)
+def _data_files(step_dir: str) -> list[str]:
+  return [os.path.join(d, f) for d, _, names in os.walk(step_dir) for f in names
+          if f"{os.sep}d{os.sep}" in os.path.join(d, f)]
 
 
-def damaged_run(paths: dict) -> None:
+def damaged_run(paths: dict, every_file: bool = False) -> None:
+  """Step 4 with its largest data file cut in half (a trainer, which restores everything,
+  notices), or with every data file cut (eval reads the parameters only, and the largest file
+  may hold optimizer state alone)."""
   run = _copy_run(paths, "damaged")
-  target = _largest_data_file(os.path.join(run, "checkpoints", "4"))
-  os.truncate(target, os.path.getsize(target) // 2)
+  files = _data_files(os.path.join(run, "checkpoints", "4"))
+  for target in files if every_file else [max(files, key=os.path.getsize)]:
+    os.truncate(target, os.path.getsize(target) // 2)
 
 
 def all_damaged_run(paths: dict) -> None:
@@ -318,10 +323,11 @@ def cases() -> list[Case]:
       Case("train", "divergence: lr=1e3 (no non-finite checkpoint is saved)",
            ["train.py", TINY, "--workdir={tmp}/diverge", "--config.num_train_steps=40",
             "--config.checkpoint_every=1", "--config.optimizer.lr=1e3"],
-           needle="NaN", check=lambda p: _finite_checkpoints_only(f"{p['tmp']}/diverge")),
+           needle="non-finite", code=3,
+           check=lambda p: _finite_checkpoints_only(f"{p['tmp']}/diverge")),
       Case("eval", "no --data", ["eval.py", "--workdir={run}"], needle="--data"),
       Case("eval", "--data missing", ["eval.py", "--workdir={run}", "--data={tmp}/no.csv"],
-           needle="no such file"),
+           needle="not found"),
       Case("eval", "--data is a directory", ["eval.py", "--workdir={run}", "--data={tmp}"],
            needle="is a directory"),
       Case("eval", "--limit=0", ["eval.py", "--workdir={run}", "--data={csv}", "--limit=0"],
@@ -346,12 +352,12 @@ def cases() -> list[Case]:
       Case("eval", "CSV empty", ["eval.py", "--workdir={run}", "--data={tmp}/empty.csv"],
            needle="empty", setup=write_file("empty.csv", "")),
       Case("eval", "CSV header only", ["eval.py", "--workdir={run}", "--data={tmp}/none.csv"],
-           needle="no puzzles", setup=write_file("none.csv", "quizzes,solutions\n")),
+           needle="no examples", setup=write_file("none.csv", "quizzes,solutions\n")),
       Case("eval", "newest checkpoint truncated (notice, uses the older)",
            ["eval.py", "--workdir={tmp}/damaged_eval", "--data={csv}", "--limit=1",
             "--batch_size=1"], expect="ok", needle="using checkpoint step 2",
-           setup=lambda p: (damaged_run(p), os.rename(f"{p['tmp']}/damaged",
-                                                      f"{p['tmp']}/damaged_eval")),
+           setup=lambda p: (damaged_run(p, every_file=True),
+                            os.rename(f"{p['tmp']}/damaged", f"{p['tmp']}/damaged_eval")),
            check=lambda p: None if os.path.isdir(f"{p['tmp']}/damaged_eval/checkpoints/4")
            else "eval moved a checkpoint"),
       Case("eval", "every checkpoint unreadable", ["eval.py", "--workdir={tmp}/all_damaged",
@@ -367,8 +373,8 @@ def cases() -> list[Case]:
       Case("sample", "puzzle with a letter", ["sample.py", "--workdir={run}",
                                               "--puzzle=x" + puzzle[1:]], needle="'x'"),
       Case("sample", "no arguments", ["sample.py"], needle="--workdir"),
-      Case("sample", "text and Sudoku flags mixed", ["sample.py", "--workdir={run}",
-                                                    "--prompt=hi"], needle="not both"),
+      Case("sample", "a text prompt to a Sudoku run", ["sample.py", "--workdir={run}",
+                                                      "--prompt=hi"], needle="expected 81"),
       Case("sample", "--workdir without a run", ["sample.py", "--workdir={tmp}/nothing",
                                                  "--puzzle=" + puzzle], needle="no training run"),
       Case("sample", "--init_from missing", ["sample.py", "--init_from={tmp}/nowhere",
@@ -535,8 +541,9 @@ def main(argv):
 HEADER = """# Bad inputs: every case tried, one line each
 
 Generated by `python scripts/check_bad_inputs.py --out=benchmarks/bad_inputs.md` ({date}; the
-tiny model of tests/tiny_sudoku_config.py in a temporary directory, `$TMP`). "holds": exit code
-2 with exactly one `error:` line on stderr and no traceback, or, for a recoverable problem, exit
+tiny model of tests/tiny_sudoku_config.py, or `sft_chat`, in a temporary directory, `$TMP`).
+"holds": exit code 2 (3 for a run stopped by its non-finite guard) with exactly one `error:`
+line on stderr and no traceback, or, for a recoverable problem, exit
 code 0 with one-line notices (shown joined by ` / `). The disk-full case needs `unshare -m` (a
 private 900 KB tmpfs) and is skipped where that is not allowed.
 
