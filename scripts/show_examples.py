@@ -56,7 +56,7 @@ def main(argv):
         config.model[field] = getattr(arch, field)
       config.init_from = os.path.abspath(_INIT_FROM.value)
   try:
-    task = tasks.make_task(config)
+    task = tasks.make_task(config, training=False)  # --data is read below, as training reads it
   except ValueError as e:
     raise cli.UserError(str(e)) from None
   if not hasattr(task, "describe_file"):
