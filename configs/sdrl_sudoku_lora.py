@@ -11,8 +11,10 @@ configs/sdrl_sudoku.py's (mode "both", SFT anchor), its sizes chosen so that bot
   device). Each row's sampler state holds [C, V] float32 logits (256 x 262144 x 4 bytes =
   256 MiB, several of them per step), so the rollout batch, not the weights, is what grows;
 - the update step trains on 8 rows x 4 states = 32 decoder passes of 256 tokens plus an SFT
-  anchor of 8 rows, in grad_accum_steps = 4 micro-batches: 8 states and 2 anchor rows at a
-  time, a smaller per-device load than the SFT LoRA plan's 4 rows (benchmarks/RESULTS.md).
+  anchor of 8 rows, in grad_accum_steps = 8 micro-batches: 4 states and 1 anchor row at a
+  time. With 4 micro-batches the 30-layer plan was 93.4 GiB per device, over 80; 8 cut the
+  2-layer plan from 24.5 to 15.1 GiB (benchmarks/RESULTS.md; the 30-layer plan at 8 is not
+  compiled yet).
 Rollouts stop at 16 denoising steps (as sdrl_sudoku), bounding a rollout at 16 decoder passes.
 """
 
@@ -32,7 +34,7 @@ def get_config():
   c.sdrl = rl.sdrl
   c.sdrl.update({"group_size": 4, "prompts_per_rollout": 2, "states_per_trajectory": 4,
                  "anchor_batch_size": 8})
-  c.grad_accum_steps = 4  # divides the 8 rollout rows and the 8 anchor rows
+  c.grad_accum_steps = 8  # divides the 8 rollout rows and the 8 anchor rows
   # The rollout sampler: this model's evaluation sampler (256-token canvas), cut at 16 steps
   # with the temperatures those steps have in the 48-step schedule (as sdrl_sudoku).
   cut = {k: rl.sdrl.rollout_sampler[k] for k in ("max_denoising_steps", "t_min")}
