@@ -72,7 +72,7 @@ def masked_mean(x, mask):
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _take_canvas(x_BxL, start_B, canvas_len: int):
+def take_canvas(x_BxL, start_B, canvas_len: int):
   """Rows' canvases x[b, start_b : start_b + C] -> [B, C]."""
   index_BxC = start_B[:, None] + jnp.arange(canvas_len)
   return jnp.take_along_axis(x_BxL, index_BxC, axis=1)
@@ -129,8 +129,8 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng)
     tokens_UxL, loss_mask_UxL = tokens[row_U], loss_mask[row_U]
   u = k_U.shape[0]
   start_U = p + k_U * c
-  clean_UxC = _take_canvas(tokens_UxL, start_U, c)
-  target_mask_UxC = _take_canvas(loss_mask_UxL, start_U, c)
+  clean_UxC = take_canvas(tokens_UxL, start_U, c)
+  target_mask_UxC = take_canvas(loss_mask_UxL, start_U, c)
   t_U = diffusion.sample_noise_level(t_rng, u, loss_cfg.t_eps)
   noisy_UxC = diffusion.corrupt(noise_rng, clean_UxC, t_U, cfg.vocab_size,
                                 loss_cfg.noise_schedule, target_mask_UxC)

@@ -68,7 +68,7 @@ def make_probe(model_cfg, layout, stop_ids, noise_schedule: str):
   import jax
   import jax.numpy as jnp
 
-  from diffgemma import diffusion, model
+  from diffgemma import diffusion, losses, model
 
   c, p = layout.canvas_length, layout.prompt_len
   encode_len = p + (layout.num_canvases - 1) * c
@@ -80,8 +80,8 @@ def make_probe(model_cfg, layout, stop_ids, noise_schedule: str):
     _, cache = model.encode(params, model_cfg, tokens_NxL[:, :encode_len],
                             model.init_cache(model_cfg, n, encode_len), valid_NxL[:, :encode_len])
     start_N = p + stop_canvas_N * c
-    take = jax.vmap(lambda x, s: jax.lax.dynamic_slice(x, (s,), (c,)))
-    clean_NxC, mask_NxC = take(tokens_NxL, start_N), take(mask_NxL, start_N)
+    clean_NxC = losses.take_canvas(tokens_NxL, start_N, c)
+    mask_NxC = losses.take_canvas(mask_NxL, start_N, c)
     noisy_NxC = diffusion.corrupt(rng, clean_NxC, jnp.full((n,), t), model_cfg.vocab_size,
                                   noise_schedule, mask_NxC)
     logits = model.decode(params, model_cfg, noisy_NxC, cache, start_N)
