@@ -12,9 +12,8 @@ configs/sdrl_sudoku.py's (mode "both", SFT anchor), its sizes chosen so that bot
   256 MiB, several of them per step), so the rollout batch, not the weights, is what grows;
 - the update step trains on 8 rows x 4 states = 32 decoder passes of 256 tokens plus an SFT
   anchor of 8 rows, in grad_accum_steps = 8 micro-batches: 4 states and 1 anchor row at a
-  time. With 4 micro-batches the 30-layer plan was 93.4 GiB per device, over 80; 8 cut the
-  2-layer plan from 24.5 to 15.1 GiB (benchmarks/RESULTS.md; the 30-layer plan at 8 is not
-  compiled yet).
+  time. The 30-layer --dry_run plans 68.5 GiB per device for the update step and 38.8 for the
+  rollout; with 4 micro-batches the update step planned 93.4, over 80 (benchmarks/RESULTS.md).
 Rollouts stop at 16 denoising steps (as sdrl_sudoku), bounding a rollout at 16 decoder passes.
 """
 
