@@ -39,7 +39,7 @@ _ANSWER_REGEX = flags.DEFINE_string("answer_regex", None, "Chat tasks, --metric=
 _PREDICTIONS = flags.DEFINE_string("predictions", None, "Where to write the predictions JSONL "
                                    "(default: inside --workdir).")
 _QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
-                              "(weight-only; diffgemma/quantize.py defaults) before sampling.")
+                              "(weight-only; diffgemma/model/quantize.py defaults) before sampling.")
 _TRAJECTORY = flags.DEFINE_bool(
     "trajectory_stats", False, "Record the sampler's trajectories; add settle_steps_per_canvas "
     "(the mean step from which the argmax canvas stopped changing) and the task's step_profile "
@@ -71,21 +71,22 @@ def main(argv):
     raise cli.UserError(f"--data {_DATA.value!r} is a directory; pass a CSV or JSONL file")
   if not os.path.isfile(_DATA.value):
     raise cli.UserError(f"--data file {_DATA.value!r} not found")
-  from diffgemma import evaluation, runs
+  from diffgemma.runs import loaded
+  from diffgemma.sampling import evaluation
 
   overrides = {"record_trajectory": True} if _TRAJECTORY.value else {}
   if _WORKDIR.value:
-    run = runs.open_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
+    run = loaded.open_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
   else:
     config = _CONFIG.value or cli.load_named_config("sft_sudoku")
-    run = runs.open_checkpoint(_INIT_FROM.value, config, eval_overrides=eval_overrides(),
+    run = loaded.open_checkpoint(_INIT_FROM.value, config, eval_overrides=eval_overrides(),
                                **overrides)
   prompts = run.task.load_eval_file(_DATA.value, _LIMIT.value)  # checked before the weights
   if not len(prompts):
     raise cli.UserError(f"no examples in {_DATA.value}")
   run.load()
   if _QUANTIZE.value:
-    from diffgemma import quantize
+    from diffgemma.model import quantize
 
     run.params = quantize.quantize_params(run.params, quantize.QuantizeConfig(_QUANTIZE.value))
   batch = _BATCH.value or run.config.eval.batch_size

@@ -12,7 +12,7 @@ after every denoising step:
   python sample.py --workdir=/tmp/sudoku --puzzle=53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79
 
 `--trace=FILE.gif` (Sudoku) draws the grid at every step as an animation; `--trace=FILE.html`
-(either mode) writes the canvas tokens of every step, shaded by entropy (diffgemma/traces.py).
+(either mode) writes the canvas tokens of every step, shaded by entropy (diffgemma/sampling/traces.py).
 Either mode takes --quantize=int8|int4: the weights quantized (weight-only) before sampling.
 """
 
@@ -45,7 +45,7 @@ _TRACE = flags.DEFINE_string(
     "trace", None, "Write a denoising trace: FILE.gif (Sudoku: the grid at every step) or "
     "FILE.html (any task: the canvas tokens at every step, shaded by entropy, accepted marked).")
 _QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
-                              "(weight-only; diffgemma/quantize.py defaults) before sampling.")
+                              "(weight-only; diffgemma/model/quantize.py defaults) before sampling.")
 
 
 def main(argv):
@@ -54,7 +54,7 @@ def main(argv):
     raise cli.UserError("choose a checkpoint (--init_from, --prompt) or a training run "
                         "(--workdir, --prompt or --puzzle), not both")
   if _TRACE.value and _INIT_FROM.value is not None:
-    from diffgemma import traces
+    from diffgemma.sampling import traces
 
     try:
       traces.check_trace_path(_TRACE.value)  # text replies: HTML
@@ -83,7 +83,7 @@ def sample_text():
     raise cli.UserError(f"--max_new_tokens must be positive (got {_MAX_NEW_TOKENS.value})")
   if not os.path.isdir(path):
     raise cli.UserError(f"checkpoint directory {path!r} not found")
-  from diffgemma import tokenizer as tokenizer_lib
+  from diffgemma.io import tokenizer as tokenizer_lib
 
   # Everything cheap is checked before the weights load (minutes for a large model).
   try:
@@ -100,9 +100,10 @@ def sample_text():
   import jax
   import numpy as np
 
-  from diffgemma import checkpoint_io, sampler
+  from diffgemma.io import model_dirs
+  from diffgemma.sampling import sampler
 
-  model_cfg, params = checkpoint_io.load_model(path, dtype=_DTYPE.value)
+  model_cfg, params = model_dirs.load_model(path, dtype=_DTYPE.value)
   params = _maybe_quantize(params)
   if max(prompt_ids) >= model_cfg.vocab_size:
     raise cli.UserError(f"the tokenizer in {path} gives id {max(prompt_ids)}, outside the "
@@ -140,7 +141,7 @@ def sample_text():
         f"{num_tokens / max(seconds, 1e-9):.1f} tokens/s "
         f"({seconds:.2f}s, compile {compiled - start:.1f}s)]")
   if _TRACE.value:
-    from diffgemma import traces
+    from diffgemma.sampling import traces
 
     rows = traces.write_text_trace(_TRACE.value, out["trajectory"],
                                    lambda t: tok.decode([t], skip_special_tokens=False),
@@ -149,10 +150,10 @@ def sample_text():
 
 
 def _maybe_quantize(params):
-  """--quantize: the weight-only int8 / int4 base (diffgemma/quantize.py defaults)."""
+  """--quantize: the weight-only int8 / int4 base (diffgemma/model/quantize.py defaults)."""
   if not _QUANTIZE.value:
     return params
-  from diffgemma import quantize
+  from diffgemma.model import quantize
 
   return quantize.quantize_params(params, quantize.QuantizeConfig(_QUANTIZE.value))
 
@@ -201,12 +202,13 @@ def sample_run():
   import jax
   import numpy as np
 
-  from diffgemma import runs, sampler
+  from diffgemma.runs import loaded
+  from diffgemma.sampling import sampler
 
-  run = runs.open_run(_WORKDIR.value, record_trajectory=True)
+  run = loaded.open_run(_WORKDIR.value, record_trajectory=True)
   prompts = run.task.prompt_from_text(text)  # checked before the weights load
   if _TRACE.value:
-    from diffgemma import traces
+    from diffgemma.sampling import traces
 
     try:
       traces.check_trace_path(_TRACE.value, run.task.trace_suffixes)

@@ -59,7 +59,7 @@ def main(argv):
 
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
-  from diffgemma import memory_plan, train_loop  # after flag parsing, so bad flags fail fast
+  from diffgemma.training import memory_plan, loop  # after flag parsing, so bad flags fail fast
 
   if _DRY_RUN.value:
     report = memory_plan.dry_run(_CONFIG.value, init_from=_INIT_FROM.value)
@@ -68,7 +68,7 @@ def main(argv):
   # The keys set on the command line: on resume, only they can change an --init_from run's
   # architecture (see resume_config.reconcile).
   overridden = set(config_flags.get_override_values(flags.FLAGS["config"]))
-  train_loop.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value,
+  loop.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value,
                    overridden=overridden)
 
 

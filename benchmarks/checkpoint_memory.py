@@ -41,10 +41,10 @@ def _peak_rss_gib() -> float:
 def load_and_report(path: str, dtype: str) -> None:
   import jax
 
-  from diffgemma import checkpoint_io
+  from diffgemma.io import model_dirs
 
   before = _peak_rss_gib()
-  _, params = checkpoint_io.load_model(path, dtype=dtype, log=lambda _: None)
+  _, params = model_dirs.load_model(path, dtype=dtype, log=lambda _: None)
   jax.block_until_ready(params)
   param_gib = sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) / GIB
   peak = _peak_rss_gib()
@@ -59,21 +59,22 @@ def main(argv):
     return
   import jax
 
-  from diffgemma import checkpoint_io, model
-  from diffgemma.config import ModelConfig
+  from diffgemma.io import model_dirs
+  from diffgemma.model import network
+  from diffgemma.model.config import ModelConfig
 
   cfg = ModelConfig(vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value,
                     intermediate_size=_HIDDEN.value, num_layers=_LAYERS.value, num_heads=8,
                     num_kv_heads=4, head_dim=128, global_head_dim=256, num_global_kv_heads=2,
                     num_experts=_EXPERTS.value, top_k_experts=4,
                     moe_intermediate_size=_HIDDEN.value // 2)
-  counts = model.param_counts(cfg)
+  counts = network.param_counts(cfg)
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "ckpt")
-    checkpoint_io.save_hf(cfg, model.init_params(cfg, jax.random.PRNGKey(0)), path,
+    model_dirs.save_hf(cfg, network.init_params(cfg, jax.random.PRNGKey(0)), path,
                           max_shard_bytes=_SHARD_MB.value * 2**20)
     on_disk = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / GIB
-    largest = max(x.size for x in jax.tree_util.tree_leaves(model.abstract_params(cfg)))
+    largest = max(x.size for x in jax.tree_util.tree_leaves(network.abstract_params(cfg)))
     print(f"model: {counts['total'] / 1e6:.0f}M parameters, {on_disk:.2f} GiB on disk "
           f"(float32), largest tensor {largest * 4 / GIB:.3f} GiB")
     for dtype in ("float32", "bfloat16"):

@@ -6,7 +6,7 @@
 Writes DIR/gpu_suite.md (the table, with device name, date and measured peaks) and
 DIR/gpu_suite.json. Sections:
   (a) kernels against their XLA paths at the 26B-A4B layer shapes (bfloat16, canvas 256, prefix
-      4096, batch 1 and 8): canvas attention on a sliding and a full layer (`model.attend` on a
+      4096, batch 1 and 8): canvas attention on a sliding and a full layer (`network.attend` on a
       materialised mask vs the Pallas kernel), the expert MLP (`jax.lax.ragged_dot` vs the Pallas
       grouped kernel); achieved TFLOP/s and GB/s, and the share of the roofline floor
       max(FLOPs / peak, bytes / bandwidth) against the peaks measured here (a large matmul, a
@@ -46,9 +46,12 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks import kernels as kernel_bench  # noqa: E402
-from diffgemma import model, quantize, run_state, sampler, trainer  # noqa: E402
+from diffgemma.model import network, quantize  # noqa: E402
+from diffgemma.runs import training_state
+from diffgemma.sampling import sampler
+from diffgemma.training import update_step
 from diffgemma.tasks import make_task  # noqa: E402
-from diffgemma.config import FULL, SLIDING, ModelConfig, gemma_26b_a4b  # noqa: E402
+from diffgemma.model.config import FULL, SLIDING, ModelConfig, gemma_26b_a4b  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", None, "Directory for gpu_suite.md and gpu_suite.json.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CI on a CPU).")
@@ -187,7 +190,7 @@ def section_kernels(suite: Suite, cfg: ModelConfig, shapes: dict, repeats: int):
 
 
 def random_params(cfg: ModelConfig):
-  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  params = network.init_params(cfg, jax.random.PRNGKey(0))
   jax.block_until_ready(params)
   return params
 
@@ -205,7 +208,7 @@ def unfused_sample(params, cfg: ModelConfig, tempered_BxCxV, rng):
   log_probs = jax.nn.log_softmax(tempered_BxCxV, axis=-1)
   out = (sampler.sample_categorical(rng, log_probs), jnp.argmax(tempered_BxCxV, axis=-1),
          sampler._entropy(log_probs))  # pylint: disable=protected-access
-  return out + (model.self_conditioning_embedding(params, tempered_BxCxV, cfg),)
+  return out + (network.self_conditioning_embedding(params, tempered_BxCxV, cfg),)
 
 
 def section_model(suite: Suite, cfg: ModelConfig, shapes: dict, params, repeats: int):
@@ -218,8 +221,8 @@ def section_model(suite: Suite, cfg: ModelConfig, shapes: dict, params, repeats:
   prefill_s = {}
   for on in (True, False):
     mcfg = with_kernels(cfg, on)
-    encode = jax.jit(lambda p, tokens, cache, mcfg=mcfg: model.encode(p, mcfg, tokens, cache))
-    empty = model.init_cache(mcfg, 1, prefix + c)
+    encode = jax.jit(lambda p, tokens, cache, mcfg=mcfg: network.encode(p, mcfg, tokens, cache))
+    empty = network.init_cache(mcfg, 1, prefix + c)
 
     def prefill():
       seconds = timed(encode, params, prompt, empty, repeats=max(1, repeats // 2))
@@ -228,7 +231,7 @@ def section_model(suite: Suite, cfg: ModelConfig, shapes: dict, params, repeats:
 
     suite.run("b", f"prefill {prefix} tokens B=1", onoff(on), prefill)
     cache = encode(params, prompt, empty)[1]
-    decode = jax.jit(lambda p, x, cache, emb, mcfg=mcfg: model.decode(
+    decode = jax.jit(lambda p, x, cache, emb, mcfg=mcfg: network.decode(
         p, mcfg, x, cache, None, None, jnp.ones((x.shape[0],), bool), emb))
     for batch in shapes["batches"]:
       def step(batch=batch):
@@ -331,13 +334,13 @@ def section_lora(suite: Suite, cfg: ModelConfig, params, variants, repeats: int)
       batch = {"tokens": jnp.asarray(rng.integers(3, cfg.vocab_size, (1, seq_len)), jnp.int32),
                "valid": jnp.ones((1, seq_len), bool),
                "loss_mask": jnp.asarray(np.arange(seq_len)[None] >= p)}
-      setup = run_state.make_setup(config)
+      setup = training_state.make_setup(config)
       frozen = params
       if setup.quantize_cfg is not None:
         frozen = quantize.quantize_params(params, setup.quantize_cfg)
-      state = run_state.init_state(config, setup, frozen=frozen)
-      stage = trainer.SftStage(config, task, setup)
-      compiled = trainer.make_update_step(setup, stage.loss_fn).lower(
+      state = training_state.init_state(config, setup, frozen=frozen)
+      stage = update_step.SftStage(config, task, setup)
+      compiled = update_step.make_update_step(setup, stage.loss_fn).lower(
           state, frozen, batch).compile()
       mem = compiled.memory_analysis()
       state = jax.block_until_ready(compiled(state, frozen, batch)[0])  # the state is donated
@@ -403,7 +406,7 @@ def main(argv):
   if sections & {"b", "c", "d"}:
     start = time.perf_counter()
     params = random_params(cfg)
-    print(f"random weights: {model.count_params(params) / 1e9:.2f}B parameters in "
+    print(f"random weights: {network.count_params(params) / 1e9:.2f}B parameters in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
   prefill_s = {}
   if "b" in sections:

@@ -4,7 +4,7 @@
 
 For each format (int8 per channel, int4 per channel, int4 in groups of 128 rows), the relative
 RMS error ||dequantize(quantize(W)) - W|| / ||W|| over the linear weights that
-diffgemma/quantize.py quantizes: of a training run's checkpoint (--workdir) and of Gaussian
+diffgemma/model/quantize.py quantizes: of a training run's checkpoint (--workdir) and of Gaussian
 [2816, 1408] matrices (the 26B-A4B's expert gate/up shape). qwix maps the absmax to qmax + 1/2
 (the top bucket fully used); the plain quantizer maps it to qmax. Printed as ratios to the plain
 quantizer's error.
@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from diffgemma import lora, quantize  # noqa: E402
+from diffgemma.model import lora, quantize  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run whose weights to measure.")
 
@@ -67,9 +67,9 @@ def main(argv):
   sets["Gaussian [2816, 1408] x 4"] = {f"layers.{i}.mlp.gate": rng.normal(0, 0.02, (2816, 1408))
                                        .astype(np.float32) for i in range(4)}
   if _WORKDIR.value:
-    from diffgemma import runs
+    from diffgemma.runs import loaded
 
-    run = runs.load_run(_WORKDIR.value)
+    run = loaded.load_run(_WORKDIR.value)
     leaves = jax.tree_util.tree_flatten_with_path(run.params)[0]
     targets = set(quantize.target_paths(run.params, quantize.QuantizeConfig()))
     sets[f"{_WORKDIR.value} (step {run.step})"] = {

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from diffgemma.config import SLIDING, ModelConfig, gemma_26b_a4b  # noqa: E402
+from diffgemma.model.config import SLIDING, ModelConfig, gemma_26b_a4b  # noqa: E402
 
 
 

@@ -19,7 +19,10 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from diffgemma import cli, run_config, run_state, runs, sampler, trainer  # noqa: E402
+from diffgemma import cli  # noqa: E402
+from diffgemma.runs import run_config, training_state, loaded
+from diffgemma.sampling import sampler
+from diffgemma.training import update_step
 from diffgemma.tasks import make_task  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
@@ -30,10 +33,10 @@ _BATCH = flags.DEFINE_integer("batch_size", None, "Override the batch size.")
 
 def time_training(config, steps: int) -> float:
   """Seconds per training step after one compile step."""
-  setup = run_state.make_setup(config)
-  state = run_state.init_state(config, setup)
-  stage = trainer.SftStage(config, make_task(config), setup)
-  step_fn = trainer.make_update_step(setup, stage.loss_fn)
+  setup = training_state.make_setup(config)
+  state = training_state.init_state(config, setup)
+  stage = update_step.SftStage(config, make_task(config), setup)
+  step_fn = update_step.make_update_step(setup, stage.loss_fn)
   stage.start(state, None, 0, os.getcwd())
   batch_list = [stage.next_batch(i, state, None)[0] for i in range(steps + 1)]
   state, metrics = step_fn(state, None, batch_list[0])
@@ -76,12 +79,12 @@ def main(argv):
   print(f"train ratio tiled/ragged_dot speed: {seconds['ragged_dot'] / seconds['tiled']:.2f}x")
 
   if _WORKDIR.value:
-    run = runs.load_run(_WORKDIR.value)
+    run = loaded.load_run(_WORKDIR.value)
     params, model_cfg, sampler_cfg = run.params, run.model_cfg, run.sampler_cfg
   else:
     model_cfg = run_config.model_config(config)
     sampler_cfg = run_config.sampler_config(config, task.stop_token_ids)
-    params = run_state.init_state(config, run_state.make_setup(config))["params"]
+    params = training_state.init_state(config, training_state.make_setup(config))["params"]
   prompts = task.eval_prompts().take(slice(0, config.eval.batch_size))
   diffusion_tps, tpf = time_sampling(params, model_cfg, sampler_cfg, prompts)
   ar_tps, _ = time_sampling(params, model_cfg, sampler_cfg.replace(mode="ar"), prompts)

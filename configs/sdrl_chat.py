@@ -1,4 +1,4 @@
-"""SD·RL on a chat task after SFT (docs/design.md, "SD·RL"; diffgemma/sdrl.py).
+"""SD·RL on a chat task after SFT (docs/design.md, "SD·RL"; diffgemma/training/stages/sdrl.py).
 
   python train.py --config=sdrl_chat --workdir=runs/count_sdrl --init_from=runs/count \
       --config.data.train=/tmp/count.jsonl [--config.sdrl.reward_fn=my_module:my_reward]

@@ -1,4 +1,4 @@
-"""SD·RL on Sudoku after SFT: the 2-core CPU default (docs/design.md, "SD·RL"; diffgemma/sdrl.py).
+"""SD·RL on Sudoku after SFT: the 2-core CPU default (docs/design.md, "SD·RL"; diffgemma/training/stages/sdrl.py).
 
 python train.py --config=sdrl_sudoku --workdir=runs/sdrl --init_from=runs/sudoku_b16
 

@@ -49,9 +49,9 @@ import dataclasses
 
 import ml_collections
 
-from diffgemma.config import ModelConfig
-from diffgemma.lora import LoraConfig
-from diffgemma.sharding import ShardingConfig
+from diffgemma.model.config import ModelConfig
+from diffgemma.model.lora import LoraConfig
+from diffgemma.model.sharding import ShardingConfig
 
 BYTE_VOCAB = 261  # the byte tokenizer: PAD, EOS, BOS, <|turn>, <turn|>, 256 bytes
 CANVAS = 32
@@ -91,7 +91,7 @@ def get_config(variant: str = "count"):
       canvas_length=CANVAS, param_dtype="float32", compute_dtype="float32",
       moe_impl="tiled", moe_tile_size=128)))
 
-  # Objective (diffgemma.losses.LossConfig; the layout P, K, C comes from the task). One
+  # Objective (diffgemma.training.losses.LossConfig; the layout P, K, C comes from the task). One
   # supervised canvas per example, uniformly among its valid canvases, the earlier ones clean in
   # the encoder cache; the encoder's next-token loss on the reply.
   c.loss = ml_collections.ConfigDict(dict(

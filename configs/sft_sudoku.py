@@ -7,9 +7,9 @@ import dataclasses
 
 import ml_collections
 
-from diffgemma.config import ModelConfig
-from diffgemma.lora import LoraConfig
-from diffgemma.sharding import ShardingConfig
+from diffgemma.model.config import ModelConfig
+from diffgemma.model.lora import LoraConfig
+from diffgemma.model.sharding import ShardingConfig
 
 
 def get_config():
@@ -40,7 +40,7 @@ def get_config():
       canvas_length=81, param_dtype="float32", compute_dtype="float32",
       moe_impl="tiled", moe_tile_size=128)))
 
-  # Objective (diffgemma.losses.LossConfig; prompt_len comes from the task).
+  # Objective (diffgemma.training.losses.LossConfig; prompt_len comes from the task).
   c.loss = ml_collections.ConfigDict(dict(
       encoder_weight=0.0, decoder_weight=1.0, encoder_loss_on_prompt=False,
       noise_schedule="linear", t_eps=1e-3, self_conditioning_prob=0.5,
@@ -49,10 +49,10 @@ def get_config():
   c.grad_accum_steps = 1  # split each batch into this many micro-batches (same result, less memory)
   c.freeze_router = False  # NeMo's SFT default is True: no router updates (LoRA: no router adapter)
 
-  # LoRA (diffgemma.lora.LoraConfig): off here; see configs/sft_sudoku_lora*.py.
+  # LoRA (diffgemma.model.lora.LoraConfig): off here; see configs/sft_sudoku_lora*.py.
   c.lora = ml_collections.ConfigDict(dataclasses.asdict(LoraConfig()))
 
-  # Device mesh and logical axis rules (diffgemma.sharding.ShardingConfig): fsdp=-1 spreads the
+  # Device mesh and logical axis rules (diffgemma.model.sharding.ShardingConfig): fsdp=-1 spreads the
   # batch and the weights over all local devices (one CPU: nothing to split).
   c.sharding = ml_collections.ConfigDict(dataclasses.asdict(ShardingConfig()))
 
@@ -71,7 +71,7 @@ def get_config():
       # and its runs sat on the copy plateau for 700-1100+ steps (benchmarks/RESULTS.md).
       prompt_format="digits"))
 
-  # Sampler (report Table 2 defaults; diffgemma.sampler.SamplerConfig).
+  # Sampler (report Table 2 defaults; diffgemma.sampling.sampler.SamplerConfig).
   c.sampler = ml_collections.ConfigDict(dict(
       max_denoising_steps=48, entropy_bound=0.1, t_max=0.8, t_min=0.4,
       confidence_threshold=0.005, stability_threshold=1, max_new_tokens=81, mode="diffusion",

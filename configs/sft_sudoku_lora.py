@@ -11,7 +11,7 @@ both devices (FSDP); adapters and their AdamW state are float32.
 import dataclasses
 
 from configs import sft_sudoku
-from diffgemma.config import gemma_26b_a4b
+from diffgemma.model.config import gemma_26b_a4b
 
 
 def get_config():

@@ -3,7 +3,7 @@
 The `sft_sudoku_lora` recipe (adapters on every linear, float32 adapters and AdamW state, the
 same alpha / rank = 2) at rank 8 on a frozen base quantized to int4 (weight-only: values two to
 a byte, one bfloat16 scale per 128 input rows of each output channel; the router and the tied
-embedding stay in bfloat16; see diffgemma/quantize.py). The 26B base takes 13.2 GiB instead of
+embedding stay in bfloat16; see diffgemma/model/quantize.py). The 26B base takes 13.2 GiB instead of
 47. The batch of 8 runs as 8 micro-batches of one row (gradient accumulation: same update, one
 row's activations). --dry_run plans about 44 GiB per device (rank 16: about 48.1, too close;
 an int8 base adds at least 11 GiB of weights: an 80 GB GPU); see benchmarks/RESULTS.md.

@@ -166,25 +166,18 @@ def run(main, argv=None):
   """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2; a run that
   stopped on purpose, e.g. on a non-finite loss: 3)."""
   # local: keep flag parsing light
-  from diffgemma import (
-    checkpointing,
-    errors,
-    hf_weights,
-    resume_config,
-    run_guard,
-    safetensors_io,
-    tokenizer,
-    workdir_lock,
-  )
-  from diffgemma.kernels import platform
+  from diffgemma import errors
+  from diffgemma.io import hf_weights, safetensors_dir, tokenizer
+  from diffgemma.model.kernels import platform
+  from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv))
   quiet_library_logs()
   user_errors = (UserError, errors.InputError, errors.ConfigError,
                  checkpointing.CheckpointError, hf_weights.WeightMappingError,
-                 safetensors_io.CheckpointFormatError, tokenizer.TokenizerError,
+                 safetensors_dir.CheckpointFormatError, tokenizer.TokenizerError,
                  workdir_lock.WorkdirLockError, resume_config.ResumeConfigError,
-                 run_guard.RunFailure, platform.KernelPlatformError)
+                 guard.RunFailure, platform.KernelPlatformError)
   try:
     main(argv)
   except user_errors as e:

@@ -68,7 +68,8 @@ def make_probe(model_cfg, layout, stop_ids, noise_schedule: str):
   import jax
   import jax.numpy as jnp
 
-  from diffgemma import diffusion, losses, model
+  from diffgemma.model import network
+  from diffgemma.training import diffusion, losses
 
   c, p = layout.canvas_length, layout.prompt_len
   encode_len = p + (layout.num_canvases - 1) * c
@@ -77,14 +78,14 @@ def make_probe(model_cfg, layout, stop_ids, noise_schedule: str):
   @jax.jit
   def probe(params, tokens_NxL, valid_NxL, mask_NxL, stop_canvas_N, end_N, t, rng):
     n = tokens_NxL.shape[0]
-    _, cache = model.encode(params, model_cfg, tokens_NxL[:, :encode_len],
-                            model.init_cache(model_cfg, n, encode_len), valid_NxL[:, :encode_len])
+    _, cache = network.encode(params, model_cfg, tokens_NxL[:, :encode_len],
+                            network.init_cache(model_cfg, n, encode_len), valid_NxL[:, :encode_len])
     start_N = p + stop_canvas_N * c
     clean_NxC = losses.take_canvas(tokens_NxL, start_N, c)
     mask_NxC = losses.take_canvas(mask_NxL, start_N, c)
     noisy_NxC = diffusion.corrupt(rng, clean_NxC, jnp.full((n,), t), model_cfg.vocab_size,
                                   noise_schedule, mask_NxC)
-    logits = model.decode(params, model_cfg, noisy_NxC, cache, start_N)
+    logits = network.decode(params, model_cfg, noisy_NxC, cache, start_N)
     predicted_NxC = jnp.argmax(logits, -1)
     is_stop = jnp.isin(predicted_NxC, stop_ids)
     first_stop_N = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1), c)
@@ -105,9 +106,9 @@ def make_probe(model_cfg, layout, stop_ids, noise_schedule: str):
 def diagnose(workdir: str, data: str, num: int, levels, seed: int = 0) -> dict:
   import jax
 
-  from diffgemma import runs
+  from diffgemma.runs import loaded
 
-  run = runs.load_run(workdir)
+  run = loaded.load_run(workdir)
   if run.task.name != "chat":
     raise cli.UserError(f"{workdir!r} is a {run.task.name!r} run; chat_stop_diagnostics reads "
                         "chat runs")

@@ -175,7 +175,7 @@ def stale_lock_run(paths: dict) -> None:
   run = _copy_run(paths, "stale_lock")
   child = subprocess.Popen([_python(), "-c", "pass"])
   child.wait()
-  from diffgemma import workdir_lock
+  from diffgemma.runs import workdir_lock
 
   with open(workdir_lock.lock_path(run), "w") as f:
     json.dump(dict(workdir_lock.holder_info(), pid=child.pid, process_start=1), f)
@@ -188,7 +188,7 @@ class _HeldLock:
     self.context = None
 
   def setup(self, paths: dict) -> None:
-    from diffgemma import workdir_lock
+    from diffgemma.runs import workdir_lock
 
     run = _copy_run(paths, "busy")
     self.context = workdir_lock.hold(run)
@@ -498,14 +498,14 @@ def chat_cases() -> list[Case]:
 
 
 def _finite_checkpoints_only(workdir: str) -> str | None:
-  from diffgemma import checkpointing, runs
+  from diffgemma.runs import checkpointing, loaded
 
   if not checkpointing.steps_on_disk(workdir):
     return None
   import jax
   import numpy as np
 
-  run = runs.load_run(workdir)
+  run = loaded.load_run(workdir)
   bad = [x for x in jax.tree_util.tree_leaves(run.params) if not np.isfinite(x).all()]
   return f"checkpoint step {run.step} holds non-finite values" if bad else None
 

@@ -9,7 +9,7 @@ tokens per forward, steps per canvas), held-out results stored by sweep.py --eva
 logged step, wall-clock minutes and the median training tokens/s. --out draws the eval metrics
 and the loss against step and against wall-clock minutes (one line per run) and accuracy
 against TPF (the quality-speed plane). Runs are read from WORKDIR/config.json and the
-TensorBoard events in WORKDIR/tensorboard (diffgemma/compare.py).
+TensorBoard events in WORKDIR/tensorboard (diffgemma/tools/compare.py).
 """
 
 import os
@@ -32,7 +32,7 @@ def main(argv):
     raise cli.UserError(f"--out={_OUT.value!r}: the plot is a PNG (name it FILE.png)")
   if _OUT.value and not os.path.isdir(os.path.dirname(os.path.abspath(_OUT.value))):
     raise cli.UserError(f"--out={_OUT.value!r}: its directory does not exist")
-  from diffgemma import compare
+  from diffgemma.tools import compare
 
   try:
     runs = compare.load_runs(workdirs)

@@ -48,22 +48,23 @@ def main(argv):
                         "directory")  # checked before the weights load (minutes for a big model)
   import jax
 
-  from diffgemma import checkpoint_io, model
+  from diffgemma.io import model_dirs
+  from diffgemma.model import network
 
-  kind = checkpoint_io.directory_kind(source)
-  out_format = _FORMAT.value or ("orbax" if kind == checkpoint_io.HF else "hf")
+  kind = model_dirs.directory_kind(source)
+  out_format = _FORMAT.value or ("orbax" if kind == model_dirs.HF else "hf")
   overrides = {} if _CANVAS.value is None else {"canvas_length": _CANVAS.value}
-  cfg, params = checkpoint_io.load_model(source, dtype=_DTYPE.value,
+  cfg, params = model_dirs.load_model(source, dtype=_DTYPE.value,
                                          rng=jax.random.PRNGKey(_SEED.value), **overrides)
-  counts = model.param_counts(cfg)
+  counts = network.param_counts(cfg)
   print(f"loaded {source} ({kind}): {counts['total'] / 1e9:.3f}B parameters, "
         f"{counts['active'] / 1e9:.3f}B active per token, {cfg.param_dtype}")
   if out_format == "hf":
-    files = checkpoint_io.save_hf(cfg, params, dest, max_shard_bytes=int(_SHARD_GB.value * 2**30),
+    files = model_dirs.save_hf(cfg, params, dest, max_shard_bytes=int(_SHARD_GB.value * 2**30),
                                   companions_from=source)
     print(f"wrote {dest}: {len(files)} files in transformers' DiffusionGemma layout")
   else:
-    checkpoint_io.save_orbax(cfg, params, dest, companions_from=source)
+    model_dirs.save_orbax(cfg, params, dest, companions_from=source)
     print(f"wrote {dest}: orbax model (config.json + params/)")
 
 

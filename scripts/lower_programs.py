@@ -59,7 +59,7 @@ def main(argv):
       [os.environ.get("XLA_FLAGS", ""),
        f"--xla_force_host_platform_device_count={_DEVICES.value}"]).strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from diffgemma import lowering  # after XLA_FLAGS: jax starts here
+  from diffgemma.tools import lowering  # after XLA_FLAGS: jax starts here
 
   results, failures = [], []
   for platform in _PLATFORMS.value:

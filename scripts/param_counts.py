@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from diffgemma import config, model  # noqa: E402
+from diffgemma.model import config, network  # noqa: E402
 
 _PRESET = flags.DEFINE_enum("preset", "gemma_26b_a4b", sorted(config.PRESETS), "Model preset.")
 
@@ -22,7 +22,7 @@ _PRESET = flags.DEFINE_enum("preset", "gemma_26b_a4b", sorted(config.PRESETS), "
 def main(argv):
   del argv
   cfg = config.PRESETS[_PRESET.value]()
-  counts = model.param_counts(cfg)
+  counts = network.param_counts(cfg)
   print(f"preset {_PRESET.value}: {cfg.num_layers} layers, {cfg.num_experts} experts "
         f"(top {cfg.top_k_experts}), hidden {cfg.hidden_size}")
   for name in ("total", "active", "embedding", "experts", "self_conditioning"):

@@ -48,9 +48,9 @@ def main(argv):
     if _INIT_FROM.value:
       if not os.path.isdir(_INIT_FROM.value):
         raise cli.UserError(f"checkpoint directory {_INIT_FROM.value!r} not found")
-      from diffgemma import checkpoint_io
+      from diffgemma.io import model_dirs
 
-      arch = checkpoint_io.read_model_config(_INIT_FROM.value)
+      arch = model_dirs.read_model_config(_INIT_FROM.value)
       for field in ("canvas_length", "vocab_size", "pad_token_id", "eos_token_id",
                     "bos_token_id"):
         config.model[field] = getattr(arch, field)

@@ -65,7 +65,7 @@ def peer_mask():
 
 def checkpoint_steps(workdir: str, requested) -> list[int]:
   """The requested steps (default: every kept one), each checked to be on disk."""
-  from diffgemma import checkpointing
+  from diffgemma.runs import checkpointing
 
   kept = sorted(checkpointing.steps_on_disk(workdir))
   if not kept:
@@ -77,13 +77,13 @@ def checkpoint_steps(workdir: str, requested) -> list[int]:
 
 
 def open_sudoku_run(workdir: str):
-  """The run's config, task and sampler settings (`runs.Run`, no weights read yet); a one-line
+  """The run's config, task and sampler settings (`loaded.Run`, no weights read yet); a one-line
   error unless it is a Sudoku run whose one canvas holds the grid (the probe pairs canvas
   cell i with prompt cell i)."""
-  from diffgemma import runs
+  from diffgemma.runs import loaded
   from diffgemma.tasks import sudoku
 
-  run = runs.open_run(workdir)
+  run = loaded.open_run(workdir)
   if run.task.name != sudoku.SudokuTask.name:
     raise cli.UserError(f"{workdir!r} is a {run.task.name!r} run; sudoku_diagnostics reads "
                         "Sudoku runs")
@@ -116,7 +116,8 @@ def make_probe(model_cfg, noise_schedule: str, prompt_len: int):
   import jax
   import jax.numpy as jnp
 
-  from diffgemma import attention_probe, diffusion, losses, model
+  from diffgemma.model import attention_probe, network
+  from diffgemma.training import diffusion, losses
 
   cfg = attention_probe.recordable(model_cfg)
   peers_CxP = jnp.asarray(peer_mask())
@@ -124,12 +125,12 @@ def make_probe(model_cfg, noise_schedule: str, prompt_len: int):
   @jax.jit
   def probe(params, prompt_NxP, valid_NxP, clean_NxC, given_NxC, t, rng):
     n = clean_NxC.shape[0]
-    _, cache = model.encode(params, cfg, prompt_NxP, model.init_cache(cfg, n, prompt_len),
+    _, cache = network.encode(params, cfg, prompt_NxP, network.init_cache(cfg, n, prompt_len),
                             valid_NxP)
     noisy_NxC = diffusion.corrupt(rng, clean_NxC, jnp.full((n,), t), cfg.vocab_size,
                                   noise_schedule)
     with attention_probe.record_attention() as probs:
-      logits = model.decode(params, cfg, noisy_NxC, cache)
+      logits = network.decode(params, cfg, noisy_NxC, cache)
     correct_NxC = jnp.argmax(logits, -1) == clean_NxC
     # A replacement may draw the clean token again: that cell shows its answer, not noise.
     replaced_NxC = noisy_NxC != clean_NxC
@@ -162,14 +163,16 @@ def diagnose(run, steps, num_puzzles: int, seed: int, levels, sampler_puzzles: i
   run (`open_sudoku_run`); numbers are floats and [layers][heads] lists."""
   import jax
 
-  from diffgemma import checkpoint_io, evaluation, run_config, sampler
+  from diffgemma.io import model_dirs
+  from diffgemma.runs import run_config
+  from diffgemma.sampling import evaluation, sampler
 
   prompts, clean_NxC, given_NxC = held_out_set(run, num_puzzles, seed)
   noise_schedule = run_config.loss_config(run.config).noise_schedule
   rng = jax.random.PRNGKey(seed)
   out, probe, generate_fn = {}, None, None
   for step in steps:
-    model_cfg, params, _ = checkpoint_io.load_workdir(run.source, step=step)
+    model_cfg, params, _ = model_dirs.load_workdir(run.source, step=step)
     probe = probe or make_probe(model_cfg, noise_schedule, run.task.layout.prompt_len)
     levels_out = {}
     for index, t in enumerate(levels):

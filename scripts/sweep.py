@@ -53,8 +53,8 @@ def main(argv):
   if out and not out.lower().endswith(".png"):
     raise cli.UserError(f"--out={out!r}: the plot is a PNG (name it FILE.png)")
   logging.set_verbosity(logging.ERROR)  # orbax's notes on reading checkpoint directories
-  from diffgemma import compare, sweep
   from diffgemma.tasks import make_task
+  from diffgemma.tools import compare, sweep
 
   points = sweep.plan(_CONFIG.value, _ROOT.value, _GRID.value, _SET.value, _INIT_FROM.value)
   if _EVAL_DATA.value:  # a bad file fails now, before anything trains

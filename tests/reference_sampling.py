@@ -23,8 +23,10 @@ import torch
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as ref_generation
 
-from diffgemma import hf_weights, model, sampler
-from diffgemma.config import ModelConfig
+from diffgemma.io import hf_weights
+from diffgemma.model import network
+from diffgemma.model.config import ModelConfig
+from diffgemma.sampling import sampler
 
 # Per-row statistics compared between the implementations.
 STATS = ("steps_per_canvas", "tokens_per_forward")
@@ -55,9 +57,9 @@ def reference_model(seed: int, canvas_length: int, weight_std: float, attn_imple
         p.copy_(weight_std * torch.randn(p.shape, generator=gen))
     buffers = dict(ref.named_buffers())
     for name, b in buffers.items():
-      if name.endswith("layer_scalar") and name.startswith("model.encoder."):
+      if name.endswith("layer_scalar") and name.startswith("network.encoder."):
         b.copy_(LAYER_SCALAR_MIN + LAYER_SCALAR_RANGE * torch.rand(b.shape, generator=gen))
-        buffers["model.decoder.layers." + name.split("layers.")[1]].copy_(b)
+        buffers["network.decoder.layers." + name.split("layers.")[1]].copy_(b)
   return ref
 
 
@@ -91,7 +93,7 @@ def state_dict_numpy(ref) -> dict[str, np.ndarray]:
 def load_ours(ref, **overrides):
   """(our ModelConfig, our params on device) holding the reference's weights."""
   cfg = hf_weights.config_from_hf(ref.config.to_dict(), **overrides)
-  params = hf_weights.params_from_hf(state_dict_numpy(ref), cfg, model.abstract_params(cfg))
+  params = hf_weights.params_from_hf(state_dict_numpy(ref), cfg, network.abstract_params(cfg))
   return cfg, jax.tree_util.tree_map(jnp.asarray, params)
 
 

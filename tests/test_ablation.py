@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffgemma import provenance, tb_writer, traces
+from diffgemma.io import tb_writer
+from diffgemma.runs import provenance
+from diffgemma.sampling import traces
 from diffgemma.tasks import sudoku_puzzles as sudoku
 from diffgemma.tasks import sudoku_traces
 
@@ -84,7 +86,7 @@ def sweep(tiny_config, tmp_path_factory):
   """The 2 x 2 sweep, run once; its last point was stopped at step 1 beforehand (as a
   preemption would), so the sweep resumes it."""
   root = tmp_path_factory.mktemp("sweep") / "root"
-  partial = run("-c", "import sys; from diffgemma import cli, train_loop; train_loop.train(cli."
+  partial = run("-c", "import sys; from diffgemma import cli; from diffgemma.training import loop; loop.train(cli."
                 "parse_config(sys.argv[1], sys.argv[3:]), sys.argv[2], stop_at=1)", tiny_config,
                 str(root / POINTS[3]), "--config.data.seed=2", "--config.optimizer.lr=3e-3")
   assert partial.returncode == 0, partial.stderr
@@ -159,7 +161,7 @@ def test_bad_input_is_one_line_and_starts_nothing(sweep, tiny_config, tmp_path):
   one_line_error(run("scripts/sweep.py", f"--config={tiny_config}", f"--root={fresh}", "--grid",
                      "optimizer.lrr=1e-3,3e-3"), "unknown config key 'optimizer.lrr'")
   one_line_error(run("scripts/sweep.py", f"--config={tiny_config}", f"--root={fresh}", "--grid",
-                     "model.num_layers=2,2.5"), "model.num_layers=2.5", "int")
+                     "network.num_layers=2,2.5"), "network.num_layers=2.5", "int")
   assert not fresh.exists()
   not_a_run = tmp_path / "empty"
   not_a_run.mkdir()
@@ -174,11 +176,11 @@ def test_bad_input_is_one_line_and_starts_nothing(sweep, tiny_config, tmp_path):
     (["optimizer.lr=1e-3"], ["optimizer.lr=1e-2"], "both --grid and --set"),
     (["optimizer.lr=1e-3,1e-3"], [], "appears twice"),
     (["optimizer.lr"], [], "KEY=VALUES"),
-    (["model.vocab_size=8"], [], "vocab_size"),  # parses, but train.py would refuse it
+    (["network.vocab_size=8"], [], "vocab_size"),  # parses, but train.py would refuse it
 ])
 def test_sweep_plan_rejects(tiny_config, tmp_path, grid, sets, needle):
   from diffgemma import cli
-  from diffgemma import sweep as sweep_lib
+  from diffgemma.tools import sweep as sweep_lib
 
   with pytest.raises(cli.UserError) as e:
     sweep_lib.plan(tiny_config, str(tmp_path / "r"), grid, sets)
@@ -189,7 +191,7 @@ def test_sweep_plan_rejects(tiny_config, tmp_path, grid, sets, needle):
 def test_sweep_refuses_a_root_run_with_other_settings(sweep, tiny_config):
   """A --set value that differs from the one a point was trained with is not silently mixed."""
   from diffgemma import cli
-  from diffgemma import sweep as sweep_lib
+  from diffgemma.tools import sweep as sweep_lib
 
   _, root, _ = sweep
   with pytest.raises(cli.UserError, match="was run with batch_size=4"):
@@ -227,12 +229,13 @@ def sampled():
   confidence threshold between its rows' entropies, rows stop after different step counts."""
   import jax
 
-  from diffgemma import model, sampler
-  from diffgemma.config import tiny
+  from diffgemma.model import network
+  from diffgemma.model.config import tiny
+  from diffgemma.sampling import sampler
   from diffgemma.tasks import sudoku as data
 
   cfg = tiny(vocab_size=16, canvas_length=81, num_layers=2, layer_types=(), sliding_window=256)
-  params = model.init_params(cfg, jax.random.PRNGKey(0), std=1.0)
+  params = network.init_params(cfg, jax.random.PRNGKey(0), std=1.0)
   puzzles, solutions = sudoku.generate_puzzles(0, 4, 40, 40)
   prompts = data.puzzle_prompts(puzzles, solutions, "digits")
   sampler_cfg = sampler.SamplerConfig(max_denoising_steps=12, max_new_tokens=81,
@@ -244,7 +247,7 @@ def sampled():
 
 
 def test_sudoku_gif_has_one_frame_per_step(sampled, tmp_path):
-  from diffgemma import sampler
+  from diffgemma.sampling import sampler
 
   out, puzzles, solutions, cfg = sampled
   steps_B = out["canvas_steps"][:, 0]

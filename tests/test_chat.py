@@ -15,8 +15,8 @@ from transformers import AutoTokenizer, GemmaTokenizer
 from transformers.utils import chat_template_utils
 
 from configs import sft_chat
-from diffgemma import chat_template
-from diffgemma import tokenizer as tokenizer_lib
+from diffgemma.io import chat_template
+from diffgemma.io import tokenizer as tokenizer_lib
 from diffgemma.tasks import make_task
 from tests.test_tokenizer import write_sentencepiece, write_tokenizer_json
 
@@ -483,16 +483,16 @@ def test_a_memory_plan_of_a_chat_recipe_needs_no_tokenizer_or_data(tmp_path):
   """--dry_run of the PubMedQA recipe without --init_from or data: the plan needs the layout
   only, so the byte tokenizer stands in and no file is read."""
   from configs import sft_pubmedqa_lora
-  from diffgemma import train_loop
+  from diffgemma.training import loop
 
-  config, task, _, _ = train_loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None,
+  config, task, _, _ = loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None,
                                                  planning=True)
   assert (task.layout.prompt_len, task.layout.num_canvases) == (1024, 2)
   assert task.layout.canvas_length == config.model.canvas_length == 256
   # A real run still needs both.
   with pytest.raises(ValueError, match="data.train"):
-    train_loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None)
+    loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None)
   config = sft_pubmedqa_lora.get_config()
   config.data.train = write_jsonl(tmp_path / "d.jsonl", [chat("q", "a")])
   with pytest.raises(ValueError, match="no tokenizer"):
-    train_loop.prepare_config(config, None, None)
+    loop.prepare_config(config, None, None)

@@ -5,9 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma import diffusion, model
-from diffgemma.config import ModelConfig
+from diffgemma.model import network
+from diffgemma.model.config import ModelConfig
 from diffgemma.tasks import make_task
+from diffgemma.training import diffusion
 from tests.test_chat import chat, make_config, write_jsonl
 from tests.test_chat_scripts import load_script
 
@@ -36,7 +37,7 @@ def test_probe_shares_equal_a_brute_force_count(tmp_path):
   task = make_task(config)
   cfg = ModelConfig(**{**config.model.to_dict(), "hidden_size": 32, "intermediate_size": 32,
                        "num_layers": 2, "layer_types": (), "moe_intermediate_size": 16})
-  params = model.init_params(cfg, jax.random.PRNGKey(1))
+  params = network.init_params(cfg, jax.random.PRNGKey(1))
   batch = diag.stop_canvas_batch(task, path, num=8)
   probe = diag.make_probe(cfg, task.layout, task.stop_token_ids, "linear")
   rng = jax.random.PRNGKey(3)
@@ -52,11 +53,11 @@ def test_probe_shares_equal_a_brute_force_count(tmp_path):
 
   @jax.jit
   def predict(params):
-    _, cache = model.encode(params, cfg, tokens[:, :encode_len],
-                            model.init_cache(cfg, 8, encode_len), valid[:, :encode_len])
+    _, cache = network.encode(params, cfg, tokens[:, :encode_len],
+                            network.init_cache(cfg, 8, encode_len), valid[:, :encode_len])
     noisy = diffusion.corrupt(rng, clean, jnp.full((8,), 0.6), cfg.vocab_size, "linear",
                               canvas_mask)
-    return jnp.argmax(model.decode(params, cfg, noisy, cache, start), -1)
+    return jnp.argmax(network.decode(params, cfg, noisy, cache, start), -1)
 
   predicted = np.asarray(predict(params))
   exact = early = late = correct = total = 0

@@ -8,8 +8,10 @@ import os
 import jax
 import numpy as np
 
-from diffgemma import checkpoint_io, checkpointing, model
-from diffgemma.config import tiny
+from diffgemma.io import model_dirs
+from diffgemma.model import network
+from diffgemma.model.config import tiny
+from diffgemma.runs import checkpointing
 from tests.test_chat import GEMMA_LIKE_TEMPLATE, chat, write_jsonl
 from tests.test_cli import run
 from tests.test_tokenizer import write_tokenizer_json
@@ -30,8 +32,8 @@ def reply_length(prompt, reply, reference):
 def tiny_hf_checkpoint(directory):
   """A transformers DiffusionGemma directory whose vocabulary is its tokenizer's."""
   cfg = tiny(vocab_size=64, canvas_length=8, num_layers=2, layer_types=())
-  params = model.init_params(cfg, jax.random.PRNGKey(0))
-  checkpoint_io.save_hf(cfg, params, str(directory))
+  params = network.init_params(cfg, jax.random.PRNGKey(0))
+  model_dirs.save_hf(cfg, params, str(directory))
   write_tokenizer_json(directory, vocab_size=64, template=GEMMA_LIKE_TEMPLATE)
   return str(directory)
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import DiffusionGemmaForBlockDiffusion
 
-from diffgemma import checkpoint_io, hf_weights, model, safetensors_io
-from diffgemma.config import gemma_26b_a4b
+from diffgemma.io import model_dirs, hf_weights, safetensors_dir
+from diffgemma.model import network
+from diffgemma.model.config import gemma_26b_a4b
 from tests import reference
 
 TOL = 1e-4
@@ -33,13 +34,13 @@ def _max_logit_diff(ref_model, cfg, params, seed=0):
   valid = np.arange(prompt_len)[None, :] >= np.array([[0], [3]])
   prompt = np.where(valid, prompt, cfg.pad_token_id)
   session = reference.ReferenceSession(ref_model, valid)
-  cache = model.init_cache(cfg, batch, prompt_len + canvas_len)
-  hidden, cache = model.encode(params, cfg, jnp.asarray(prompt), cache, jnp.asarray(valid))
-  enc = np.abs(np.asarray(model.lm_head(params, hidden, cfg)) - session.encode(prompt))[valid]
+  cache = network.init_cache(cfg, batch, prompt_len + canvas_len)
+  hidden, cache = network.encode(params, cfg, jnp.asarray(prompt), cache, jnp.asarray(valid))
+  enc = np.abs(np.asarray(network.lm_head(params, hidden, cfg)) - session.encode(prompt))[valid]
   canvas = rng.integers(0, cfg.vocab_size, (batch, canvas_len))
   sc = rng.normal(0.0, 3.0, (batch, canvas_len, cfg.vocab_size)).astype(np.float32)
   sc_mask = np.array([True, False])
-  ours = model.decode(params, cfg, jnp.asarray(canvas), cache, None, jnp.asarray(sc),
+  ours = network.decode(params, cfg, jnp.asarray(canvas), cache, None, jnp.asarray(sc),
                       jnp.asarray(sc_mask))
   dec = np.abs(np.asarray(ours) - session.decode(canvas, sc, sc_mask))
   return max(enc.max(), dec.max())
@@ -56,8 +57,8 @@ def saved_reference(tmp_path_factory):
 
 def test_import_reproduces_reference_logits(saved_reference):
   ref, path = saved_reference
-  assert os.path.exists(os.path.join(path, safetensors_io.INDEX_FILE))
-  cfg, params = checkpoint_io.load_model(path, log=lambda _: None)
+  assert os.path.exists(os.path.join(path, safetensors_dir.INDEX_FILE))
+  cfg, params = model_dirs.load_model(path, log=lambda _: None)
   # The import is exact: the same pytree as mapping the in-memory state dict (which
   # test_parity checks over three configs)...
   in_memory = hf_weights.params_from_hf(reference.state_dict_numpy(ref), cfg)
@@ -72,21 +73,21 @@ def test_export_loads_in_transformers_and_round_trips(saved_reference, tmp_path)
   _, path = saved_reference
   cfg = hf_weights.config_from_hf(json.load(open(os.path.join(path, "config.json"))))
   # Our own random weights (not the imported ones), perturbed like the reference's.
-  params = model.init_params(cfg, jax.random.PRNGKey(3), 0.2)
+  params = network.init_params(cfg, jax.random.PRNGKey(3), 0.2)
   params = jax.tree_util.tree_map(
       lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), params)
   out = str(tmp_path / "export")
-  files = checkpoint_io.save_hf(cfg, params, out, max_shard_bytes=30_000)
-  assert safetensors_io.INDEX_FILE in files and len(files) > 3
+  files = model_dirs.save_hf(cfg, params, out, max_shard_bytes=30_000)
+  assert safetensors_dir.INDEX_FILE in files and len(files) > 3
   theirs = DiffusionGemmaForBlockDiffusion.from_pretrained(out, dtype=torch.float32).eval()
   theirs.config._attn_implementation = "eager"
   assert _max_logit_diff(theirs, cfg, params, seed=1) < TOL
   # import -> export -> import is bit-exact, and so is a second export.
-  cfg2, params2 = checkpoint_io.load_model(out, log=lambda _: None)
+  cfg2, params2 = model_dirs.load_model(out, log=lambda _: None)
   assert cfg2 == cfg and _leaves_equal(params, params2)
   out2 = str(tmp_path / "export2")
-  checkpoint_io.save_hf(cfg2, params2, out2, max_shard_bytes=30_000)
-  first, second = safetensors_io.SafetensorsDir(out), safetensors_io.SafetensorsDir(out2)
+  model_dirs.save_hf(cfg2, params2, out2, max_shard_bytes=30_000)
+  first, second = safetensors_dir.SafetensorsDir(out), safetensors_dir.SafetensorsDir(out2)
   assert sorted(first) == sorted(second)
   assert all(np.array_equal(first[n], second[n]) for n in first)
 
@@ -94,13 +95,13 @@ def test_export_loads_in_transformers_and_round_trips(saved_reference, tmp_path)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_orbax_and_bfloat16_round_trips_are_exact(saved_reference, tmp_path, dtype):
   _, path = saved_reference
-  cfg, params = checkpoint_io.load_model(path, dtype=dtype, log=lambda _: None)
+  cfg, params = model_dirs.load_model(path, dtype=dtype, log=lambda _: None)
   assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree_util.tree_leaves(params))
-  checkpoint_io.save_orbax(cfg, params, str(tmp_path / "orbax"))
-  cfg_o, params_o = checkpoint_io.load_model(str(tmp_path / "orbax"))
+  model_dirs.save_orbax(cfg, params, str(tmp_path / "orbax"))
+  cfg_o, params_o = model_dirs.load_model(str(tmp_path / "orbax"))
   assert cfg_o == cfg and _leaves_equal(params, params_o)
-  checkpoint_io.save_hf(cfg_o, params_o, str(tmp_path / "hf"))
-  cfg_h, params_h = checkpoint_io.load_model(str(tmp_path / "hf"), log=lambda _: None)
+  model_dirs.save_hf(cfg_o, params_o, str(tmp_path / "hf"))
+  cfg_h, params_h = model_dirs.load_model(str(tmp_path / "hf"), log=lambda _: None)
   assert cfg_h == cfg and _leaves_equal(params, params_h)
 
 
@@ -108,7 +109,7 @@ def test_import_places_each_tensor_on_its_sharding(saved_reference):
   _, path = saved_reference
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  _, params = checkpoint_io.load_model(path, shardings=lambda p: sharding, log=lambda _: None)
+  _, params = model_dirs.load_model(path, shardings=lambda p: sharding, log=lambda _: None)
   assert all(x.sharding == sharding for x in jax.tree_util.tree_leaves(params))
 
 
@@ -116,13 +117,13 @@ _TWO_DEVICE_IMPORT = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax, numpy as np
-from diffgemma import checkpoint_io
+from diffgemma.io import model_dirs
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
 split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 layout = lambda path: split if path == ("embedding",) else replicated
-_, params = checkpoint_io.load_model(sys.argv[1], shardings=layout, log=lambda _: None)
-_, host = checkpoint_io.load_model(sys.argv[1], log=lambda _: None)
+_, params = model_dirs.load_model(sys.argv[1], shardings=layout, log=lambda _: None)
+_, host = model_dirs.load_model(sys.argv[1], log=lambda _: None)
 emb = params["embedding"]
 assert [s.data.shape for s in emb.addressable_shards] == [(32, 32), (32, 32)], emb.sharding
 assert {s.device for s in emb.addressable_shards} == set(jax.devices())
@@ -143,7 +144,7 @@ def test_gemma4_import_loads_every_backbone_tensor(tmp_path):
   path = str(tmp_path / "gemma4")
   ref.save_pretrained(path, max_shard_size=SHARD)
   notes = []
-  cfg, params = checkpoint_io.load_model(path, canvas_length=8, rng=jax.random.PRNGKey(9),
+  cfg, params = model_dirs.load_model(path, canvas_length=8, rng=jax.random.PRNGKey(9),
                                          log=notes.append)
   assert any("self-conditioning block freshly initialised" in n for n in notes)
   # Every text tensor of the checkpoint went somewhere (strict mode raises otherwise), and
@@ -155,20 +156,20 @@ def test_gemma4_import_loads_every_backbone_tensor(tmp_path):
       leaf = leaf[k]
     if is_backbone:
       np.testing.assert_array_equal(layout.to_hf(np.asarray(leaf)),
-                                    state["model.language_model." + name])
-  expected_sc = model.init_self_conditioning(cfg, jax.random.PRNGKey(9))
+                                    state["network.language_model." + name])
+  expected_sc = network.init_self_conditioning(cfg, jax.random.PRNGKey(9))
   assert _leaves_equal(params["self_conditioning"], expected_sc)
   # The imported backbone, run as our causal encoder, is the Gemma 4 AR model.
   tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 13))
   with torch.no_grad():
     theirs = ref(input_ids=torch.as_tensor(tokens)).logits.numpy()
-  hidden, _ = model.encode(params, cfg, jnp.asarray(tokens), model.init_cache(cfg, 2, 13))
-  np.testing.assert_array_less(np.abs(np.asarray(model.lm_head(params, hidden, cfg)) - theirs)
+  hidden, _ = network.encode(params, cfg, jnp.asarray(tokens), network.init_cache(cfg, 2, 13))
+  np.testing.assert_array_less(np.abs(np.asarray(network.lm_head(params, hidden, cfg)) - theirs)
                                .max(), TOL)
 
 
 def test_preset_parameter_counts_match_the_report():
-  counts = model.param_counts(gemma_26b_a4b())
+  counts = network.param_counts(gemma_26b_a4b())
   assert f"{counts['total'] / 1e9:.3g}" == "25.2"  # report: 25.2B total
   assert f"{counts['active'] / 1e9:.2g}" == "3.8"  # report: 3.8B active (ours: 3.82B)
 
@@ -188,8 +189,8 @@ def test_missing_shard_names_the_file(saved_reference, tmp_path):
   path = _copy_checkpoint(saved_reference[1], str(tmp_path / "ckpt"))
   shard = sorted(f for f in os.listdir(path) if f.startswith("model-"))[1]
   os.remove(os.path.join(path, shard))
-  with pytest.raises(safetensors_io.CheckpointFormatError, match=shard):
-    checkpoint_io.load_model(path)
+  with pytest.raises(safetensors_dir.CheckpointFormatError, match=shard):
+    model_dirs.load_model(path)
 
 
 def test_config_mismatch_names_the_tensor(saved_reference, tmp_path):
@@ -199,34 +200,34 @@ def test_config_mismatch_names_the_tensor(saved_reference, tmp_path):
   config["text_config"]["hidden_size"] = 48
   json.dump(config, open(config_path, "w"))
   with pytest.raises(hf_weights.WeightMappingError, match="embed_tokens.weight.*config expects"):
-    checkpoint_io.load_model(path, log=lambda _: None)
+    model_dirs.load_model(path, log=lambda _: None)
 
 
 def test_unknown_tensor_is_named(saved_reference, tmp_path):
   path = _copy_checkpoint(saved_reference[1], str(tmp_path / "ckpt"))
-  index_path = os.path.join(path, safetensors_io.INDEX_FILE)
+  index_path = os.path.join(path, safetensors_dir.INDEX_FILE)
   index = json.load(open(index_path))
   extra = np.ones((3,), np.float32)
   (tmp_path / "extra").mkdir()
-  safetensors_io.write_dir([("model.decoder.mystery.weight", extra.shape, extra.dtype,
+  safetensors_dir.write_dir([("network.decoder.mystery.weight", extra.shape, extra.dtype,
                              lambda: extra)], str(tmp_path / "extra"))
-  os.rename(str(tmp_path / "extra" / safetensors_io.SINGLE_FILE),
+  os.rename(str(tmp_path / "extra" / safetensors_dir.SINGLE_FILE),
             os.path.join(path, "model-extra.safetensors"))
-  index["weight_map"]["model.decoder.mystery.weight"] = "model-extra.safetensors"
+  index["weight_map"]["network.decoder.mystery.weight"] = "model-extra.safetensors"
   json.dump(index, open(index_path, "w"))
-  with pytest.raises(hf_weights.WeightMappingError, match="unexpected tensor 'model.decoder.mystery"):
-    checkpoint_io.load_model(path, log=lambda _: None)
+  with pytest.raises(hf_weights.WeightMappingError, match="unexpected tensor 'network.decoder.mystery"):
+    model_dirs.load_model(path, log=lambda _: None)
 
 
 def test_failed_or_refused_writes_leave_nothing(saved_reference, tmp_path, monkeypatch):
-  cfg, params = checkpoint_io.load_model(saved_reference[1], log=lambda _: None)
+  cfg, params = model_dirs.load_model(saved_reference[1], log=lambda _: None)
   # Parameters that do not fit the config are refused before anything is written.
   broken = jax.tree_util.tree_map(lambda x: x, params)
   broken["layers"][3]["mlp"]["down"] = jnp.zeros((2, 2))
   with pytest.raises(hf_weights.WeightMappingError, match=r"\['layers'\]\[3\]\['mlp'\]"):
-    checkpoint_io.save_hf(cfg, broken, str(tmp_path / "out"))
+    model_dirs.save_hf(cfg, broken, str(tmp_path / "out"))
   # A write that dies halfway (after some shards are on disk) leaves no destination behind.
-  real_write, calls = safetensors_io._write_file, []
+  real_write, calls = safetensors_dir._write_file, []
 
   def write_then_die(*args):
     calls.append(real_write(*args))
@@ -234,16 +235,16 @@ def test_failed_or_refused_writes_leave_nothing(saved_reference, tmp_path, monke
       raise OSError("disk full")
     return calls[-1]
 
-  monkeypatch.setattr(safetensors_io, "_write_file", write_then_die)
+  monkeypatch.setattr(safetensors_dir, "_write_file", write_then_die)
   with pytest.raises(OSError, match="disk full"):
-    checkpoint_io.save_hf(cfg, params, str(tmp_path / "out"), max_shard_bytes=30_000)
+    model_dirs.save_hf(cfg, params, str(tmp_path / "out"), max_shard_bytes=30_000)
   assert len(calls) == 3 and os.listdir(tmp_path) == []
   monkeypatch.undo()
   # An existing destination is never overwritten.
   (tmp_path / "taken").mkdir()
   (tmp_path / "taken" / "keep.txt").write_text("mine")
-  with pytest.raises(safetensors_io.CheckpointFormatError, match="already exists"):
-    checkpoint_io.save_orbax(cfg, params, str(tmp_path / "taken"))
+  with pytest.raises(safetensors_dir.CheckpointFormatError, match="already exists"):
+    model_dirs.save_orbax(cfg, params, str(tmp_path / "taken"))
   assert os.listdir(tmp_path / "taken") == ["keep.txt"]
   assert sorted(os.listdir(tmp_path)) == ["taken"]
 
@@ -252,13 +253,14 @@ def test_failed_or_refused_writes_leave_nothing(saved_reference, tmp_path, monke
 
 
 def test_convert_cli_and_init_from_a_converted_run(tmp_path):
-  from diffgemma import checkpointing, run_state, runs, train_loop
+  from diffgemma.runs import checkpointing, training_state, loaded
+  from diffgemma.training import loop
   from tests.test_cli import one_line_error, run
   from tests.test_training import tiny_sudoku_config
 
   config = tiny_sudoku_config(workdir_steps=2)
   source_run = str(tmp_path / "run")
-  train_loop.train(config, source_run)
+  loop.train(config, source_run)
   exported = str(tmp_path / "exported")
   r = run("scripts/convert_checkpoint.py", f"--from={source_run}", f"--to={exported}")
   assert r.returncode == 0 and "transformers' DiffusionGemma layout" in r.stdout, r.stderr
@@ -295,17 +297,17 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
   # from its exact parameters, records where it came from, and resumes under it.
   wider = tiny_sudoku_config(workdir_steps=2)
   wider.model.hidden_size = 24
-  init_params = run_state.load_initial_params(wider, exported)
+  init_params = training_state.load_initial_params(wider, exported)
   assert wider.model.hidden_size == 16
-  source = runs.load_run(source_run)
+  source = loaded.load_run(source_run)
   assert _leaves_equal(init_params, source.params)
   wider = tiny_sudoku_config(workdir_steps=2)
   wider.model.hidden_size = 24
   finetune = str(tmp_path / "finetune")
-  train_loop.train(wider, finetune, stop_at=1, init_from=exported)
+  loop.train(wider, finetune, stop_at=1, init_from=exported)
   saved = checkpointing.load_config(finetune)
   assert saved.model.hidden_size == 16 and saved.init_from == os.path.abspath(exported)
-  last = train_loop.train(wider, finetune, init_from=exported)
+  last = loop.train(wider, finetune, init_from=exported)
   assert np.isfinite(last["loss"]) and checkpointing.latest_step(finetune) == 2
 
 
@@ -327,16 +329,17 @@ def _record_restored_leaves(monkeypatch) -> list[str]:
 
 
 def test_eval_of_a_full_fine_tuning_workdir_reads_no_optimizer_state(tmp_path, monkeypatch):
-  from diffgemma import run_state, runs, train_loop
+  from diffgemma.runs import training_state, loaded
+  from diffgemma.training import loop
   from tests.test_training import tiny_sudoku_config
 
   workdir = str(tmp_path / "full")
-  train_loop.train(tiny_sudoku_config(workdir_steps=2), workdir)
+  loop.train(tiny_sudoku_config(workdir_steps=2), workdir)
   read = _record_restored_leaves(monkeypatch)
-  run_state.restore_run(workdir)  # the trainer's restore: the spy sees the optimizer state
+  training_state.restore_run(workdir)  # the trainer's restore: the spy sees the optimizer state
   assert any(name.startswith("opt_state") for name in read), sorted(set(read))[:10]
   read.clear()
-  run = runs.load_run(workdir)  # what eval.py and sample.py do
+  run = loaded.load_run(workdir)  # what eval.py and sample.py do
   num_params = len(jax.tree_util.tree_leaves(run.params))
   assert read and all(name.startswith("params.") for name in read), sorted(set(read))[:10]
   assert len(read) == num_params

@@ -52,7 +52,7 @@ def new_run_dir(tmp_path):
   """A workdir with a Sudoku run's config and no checkpoint yet: the task is known, so input is
   checked before anything asks for weights."""
   from configs import sft_sudoku
-  from diffgemma import checkpointing
+  from diffgemma.runs import checkpointing
 
   checkpointing.save_config(str(tmp_path), sft_sudoku.get_config())
   return tmp_path

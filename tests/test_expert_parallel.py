@@ -9,9 +9,11 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.getcwd())
 import jax, jax.numpy as jnp, numpy as np
-from diffgemma import lora, model, run_state, sharding, trainer
-from diffgemma.config import tiny
+from diffgemma.model import lora, network, sharding
+from diffgemma.model.config import tiny
+from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
+from diffgemma.training import update_step
 from tests.test_training import tiny_sudoku_config
 
 # Tolerances: float32 throughout; the two programs add the same products in different orders.
@@ -24,7 +26,7 @@ def close(a, b, tol):
 _LAYER = _PRELUDE + """
 cfg = tiny(num_experts=8, top_k_experts=3, moe_impl="tiled", moe_tile_size=4)
 ep_cfg = cfg.replace(moe_impl="expert_parallel")
-layer = model.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]
+layer = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]
 shard_cfg = sharding.ShardingConfig(fsdp=2, rules={"experts": "fsdp"})
 mesh = sharding.make_mesh(shard_cfg)
 
@@ -44,10 +46,10 @@ def layer_grads(x, weights, index, experts, parallel, wrap=None):
     e = experts if wrap is None else wrap(experts)
     if parallel:
       with sharding.activation_rules(mesh, shard_cfg.rules):
-        y = model.moe_expert_parallel(x, weights, index, e, ep_cfg)
+        y = network.moe_expert_parallel(x, weights, index, e, ep_cfg)
     else:
       flat = lambda a: a.reshape(-1, a.shape[-1])
-      y = model.moe(flat(x), flat(weights), flat(index), e, cfg).reshape(x.shape)
+      y = network.moe(flat(x), flat(weights), flat(index), e, cfg).reshape(x.shape)
     return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
   if parallel:
     experts = jax.device_put(experts, sharding.tree_shardings(experts, mesh, shard_cfg.rules))
@@ -81,7 +83,7 @@ print("lora ok")
 try:
   bad = sharding.ShardingConfig(fsdp=2)  # default rules: experts on "expert", embed on fsdp
   with sharding.activation_rules(sharding.make_mesh(bad), bad.rules):
-    jax.eval_shape(lambda: model.moe_expert_parallel(x, weights, index, layer["experts"], ep_cfg))
+    jax.eval_shape(lambda: network.moe_expert_parallel(x, weights, index, layer["experts"], ep_cfg))
   raise SystemExit("no error")
 except ValueError as e:
   assert "rules.experts" in str(e), e
@@ -93,11 +95,11 @@ def loss_and_grads(moe_impl, rules):  # the SFT loss and its gradients, sharded 
   config = tiny_sudoku_config()
   config.model.update(dict(moe_impl=moe_impl, num_experts=8, top_k_experts=3, moe_tile_size=4))
   config.sharding.update(dict(fsdp=2, rules=rules))
-  setup = run_state.make_setup(config)
-  target = run_state.abstract_state(config, setup)
-  params = jax.device_put(run_state.init_state(config, setup)["params"],
+  setup = training_state.make_setup(config)
+  target = training_state.abstract_state(config, setup)
+  params = jax.device_put(training_state.init_state(config, setup)["params"],
                           jax.tree_util.tree_map(lambda x: x.sharding, target["params"]))
-  stage = trainer.SftStage(config, make_task(config), setup)
+  stage = update_step.SftStage(config, make_task(config), setup)
   stage.start(None, None, 0, None)
   batch, _ = stage.next_batch(0, None, None)
   batch = sharding.global_batch(batch, setup.mesh, setup.rules)

@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma import model, sampler
-from diffgemma.config import tiny
+from diffgemma.model import network
+from diffgemma.model.config import tiny
+from diffgemma.sampling import sampler
 
 def test_fused_step_equals_the_unfused_step_along_a_trajectory():
   """Step by step on the unfused trajectory: the fused step, given the same state (its
@@ -16,10 +17,10 @@ def test_fused_step_equals_the_unfused_step_along_a_trajectory():
   next, so float rounding differences grow about 3x per step with random weights.)
   """
   model_cfg = tiny(canvas_length=8, moe_impl="tiled")
-  params = model.init_params(model_cfg, jax.random.PRNGKey(1), 0.3)
-  cache = model.init_cache(model_cfg, 3, 5 + 8)
+  params = network.init_params(model_cfg, jax.random.PRNGKey(1), 0.3)
+  cache = network.init_cache(model_cfg, 3, 5 + 8)
   prompt = jax.random.randint(jax.random.PRNGKey(2), (3, 5), 3, model_cfg.vocab_size)
-  _, cache = model.encode(params, model_cfg, prompt, cache)
+  _, cache = network.encode(params, model_cfg, prompt, cache)
   # A loose confidence threshold, so rows stop at different steps and frozen rows are tested.
   plain_cfg = sampler.SamplerConfig(max_new_tokens=8, max_denoising_steps=10,
                                     confidence_threshold=3.0, stability_threshold=0)
@@ -29,7 +30,7 @@ def test_fused_step_equals_the_unfused_step_along_a_trajectory():
   state = sampler.init_denoise_state(params, model_cfg, plain_cfg, jax.random.PRNGKey(0), 3)
   for n in range(plain_cfg.max_denoising_steps):
     rng = jax.random.PRNGKey(100 + n)
-    embedding = jnp.where(state.step > 0, model.self_conditioning_embedding(
+    embedding = jnp.where(state.step > 0, network.self_conditioning_embedding(
         params, state.self_cond_BxCxV, model_cfg), 0.0)
     fused_state = state._replace(self_cond_BxCxV=state.self_cond_BxCxV[..., :0],
                                  self_cond_embedding_BxCxD=embedding)
@@ -47,7 +48,7 @@ def test_fused_step_equals_the_unfused_step_along_a_trajectory():
 
 def test_fused_generate_runs_with_and_without_top_k():
   model_cfg = tiny(canvas_length=8, moe_impl="tiled")
-  params = model.init_params(model_cfg, jax.random.PRNGKey(1), 0.3)
+  params = network.init_params(model_cfg, jax.random.PRNGKey(1), 0.3)
   prompt = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 3, model_cfg.vocab_size)
   for top_k in (0, 4):
     cfg = sampler.SamplerConfig(max_new_tokens=16, max_denoising_steps=6, fused_step=True,
@@ -59,7 +60,7 @@ def test_fused_generate_runs_with_and_without_top_k():
 
 def test_top_k_truncation_matches_float64():
   model_cfg = tiny()
-  params = model.init_params(model_cfg, jax.random.PRNGKey(2), 0.5)
+  params = network.init_params(model_cfg, jax.random.PRNGKey(2), 0.5)
   top_k = 5
   tempered = jax.random.normal(jax.random.PRNGKey(3), (3, 4, model_cfg.vocab_size)) * 3.0
   sampled, argmax, entropy, embedding = jax.jit(

@@ -1,4 +1,4 @@
-"""Pallas canvas attention (interpret mode) against model.attend + attention_mask.attention_mask.
+"""Pallas canvas attention (interpret mode) against network.attend + attention_mask.attention_mask.
 
 Tolerances, forward and gradients w.r.t. q, k, v (max error relative to the largest entry):
   float32:  max |ours - ref| <= 1e-5 * max(1, max |ref|)  (observed <= 7.2e-7 absolute)
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import attention_mask, model
-from diffgemma.kernels.attention import canvas_attention
+from diffgemma.model import attention_mask, network
+from diffgemma.model.kernels.attention import canvas_attention
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # Against the bf16 reference both sides carry bf16 rounding.
@@ -66,7 +66,7 @@ CASES = {
 
 
 def make_inputs(case: Case, seed: int = 0):
-  """Random q, k, v and the mask ingredients, built the way model.encode / model.decode do."""
+  """Random q, k, v and the mask ingredients, built the way network.encode / network.decode do."""
   rng = np.random.default_rng(seed)
   b, t = case.batch, case.length
   left_pad = np.asarray(case.left_pad or (0,) * b)[:, None]
@@ -99,7 +99,7 @@ def make_inputs(case: Case, seed: int = 0):
 
 
 def reference(q, k, v, anchor, limit, kv_pos, kv_valid, window):
-  return model.attend(q, k, v, attention_mask.attention_mask(anchor, limit, kv_pos, kv_valid, window))
+  return network.attend(q, k, v, attention_mask.attention_mask(anchor, limit, kv_pos, kv_valid, window))
 
 
 def output_and_grads(attention, qkv, cotangent):

@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import checkpoint_io, checkpointing, lora, model, run_state, sharding, train_loop
-from diffgemma.config import tiny
+from diffgemma.io import model_dirs
+from diffgemma.model import lora, network, sharding
+from diffgemma.model.config import tiny
+from diffgemma.runs import checkpointing, training_state
+from diffgemma.training import loop
 from tests.test_cli import run
 from tests.test_training import tiny_sudoku_config
 
@@ -29,16 +32,16 @@ def _decode_logits(params, cfg):
   prompt = jax.random.randint(rng, (2, 11), 3, cfg.vocab_size)
   canvas = jax.random.randint(jax.random.fold_in(rng, 1), (2, cfg.canvas_length), 3,
                               cfg.vocab_size)
-  cache = model.init_cache(cfg, 2, 11 + cfg.canvas_length)
-  _, cache = model.encode(params, cfg, prompt, cache)
+  cache = network.init_cache(cfg, 2, 11 + cfg.canvas_length)
+  _, cache = network.encode(params, cfg, prompt, cache)
   sc = jax.random.normal(jax.random.fold_in(rng, 2), (2, cfg.canvas_length, cfg.vocab_size))
-  return model.decode(params, cfg, canvas, cache, self_cond_logits_BxCxV=sc)
+  return network.decode(params, cfg, canvas, cache, self_cond_logits_BxCxV=sc)
 
 
 @pytest.mark.parametrize("moe_impl", ["ragged_dot", "tiled"])
 def test_merge_reproduces_the_lora_model(moe_impl):
   cfg = CFG.replace(moe_impl=moe_impl)
-  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  params = network.init_params(cfg, jax.random.PRNGKey(0))
   lora_cfg = lora.LoraConfig(enabled=True, rank=3, alpha=6.0)
   adapters = _random_adapters(params, lora_cfg, seed=1)
   with_lora = _decode_logits(lora.wrap(params, adapters, lora_cfg), cfg)
@@ -52,7 +55,7 @@ def test_merge_reproduces_the_lora_model(moe_impl):
 def test_expert_adapter_gradients_agree_across_moe_layouts():
   """Gradients through per-expert adapters (frozen base): the one-tile-per-step scan, whose
   backward skips the base's weight gradient, equals ragged_dot and the batched tiles."""
-  params = model.init_params(CFG, jax.random.PRNGKey(0))
+  params = network.init_params(CFG, jax.random.PRNGKey(0))
   lora_cfg = lora.LoraConfig(enabled=True, rank=3, alpha=6.0)
   adapters = _random_adapters(params, lora_cfg, seed=1)
   x = jax.random.normal(jax.random.PRNGKey(2), (19, CFG.hidden_size))
@@ -64,7 +67,7 @@ def test_expert_adapter_gradients_agree_across_moe_layouts():
     def loss(x, adapters):
       experts = lora.wrap(params, adapters, lora_cfg)["layers"][0]["experts"]
       cfg = CFG.replace(moe_impl=impl, moe_tile_size=4)
-      return (model.moe(x, weights, index, experts, cfg) ** 2).sum()
+      return (network.moe(x, weights, index, experts, cfg) ** 2).sum()
     return jax.grad(loss, (0, 1))(x, adapters)
 
   reference = grads(x, adapters, "ragged_dot")
@@ -90,7 +93,7 @@ def test_merge_weight_matches_float64_numpy():
 
 
 def test_default_targets_cover_every_linear_with_rank_r_factors():
-  params = model.init_params(CFG, jax.random.PRNGKey(0))
+  params = network.init_params(CFG, jax.random.PRNGKey(0))
   lora_cfg = lora.LoraConfig(enabled=True, rank=4)
   adapters = lora.init(params, lora_cfg, jax.random.PRNGKey(1))
   leaves = {lora.dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -113,7 +116,7 @@ def test_default_targets_cover_every_linear_with_rank_r_factors():
 def base_run(tmp_path_factory):
   """A tiny Sudoku SFT run to fine-tune from."""
   path = str(tmp_path_factory.mktemp("lora") / "base")
-  train_loop.train(tiny_sudoku_config(workdir_steps=2), path)
+  loop.train(tiny_sudoku_config(workdir_steps=2), path)
   return path
 
 
@@ -132,12 +135,12 @@ def test_lora_training_changes_exactly_the_targeted_leaves_and_resumes_exactly(b
   targets = (r"attn\.q$", r"experts\.down$", r"self_conditioning\.up$")
   config = _lora_config(4, targets=targets, rank=3)
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  train_loop.train(config, straight, init_from=base_run)
-  train_loop.train(config, resumed, init_from=base_run, stop_at=2)
-  train_loop.train(config, resumed)  # resumes: base re-read from the run's init_from
+  loop.train(config, straight, init_from=base_run)
+  loop.train(config, resumed, init_from=base_run, stop_at=2)
+  loop.train(config, resumed)  # resumes: base re-read from the run's init_from
 
-  _, setup, a, frozen, step_a = run_state.restore_run(straight)
-  *_, b, _, step_b = run_state.restore_run(resumed)
+  _, setup, a, frozen, step_a = training_state.restore_run(straight)
+  *_, b, _, step_b = training_state.restore_run(resumed)
   assert step_a == step_b == 4
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
 
@@ -146,7 +149,7 @@ def test_lora_training_changes_exactly_the_targeted_leaves_and_resumes_exactly(b
       n.endswith(s) for s in ("attn.q", "experts.down", "self_conditioning.up"))}
   assert all(f["a"].shape[-1] == 3 and f["b"].shape[-f["b"].ndim + (f["b"].ndim - 2 if
              "experts" in n else 0)] == 3 for n, f in a["params"].items())
-  _, base_params, _ = checkpoint_io.load_workdir(base_run)
+  _, base_params, _ = model_dirs.load_workdir(base_run)
   merged = lora.merge(frozen, a["params"], setup.lora_cfg)
   changed = {lora.dotted(p) for p, x in jax.tree_util.tree_flatten_with_path(merged)[0]
              if not np.array_equal(x, _leaf(base_params, p))}
@@ -163,40 +166,40 @@ def test_lora_run_loads_merged_for_export(base_run, tmp_path):
   config = _lora_config(1)
   config.lora.save_base = True  # the base travels in the checkpoint: no need for init_from
   workdir = str(tmp_path / "run")
-  train_loop.train(config, workdir, init_from=base_run)
-  from diffgemma import runs
+  loop.train(config, workdir, init_from=base_run)
+  from diffgemma.runs import loaded
 
   saved = checkpointing.load_config(workdir)
   with saved.unlocked():
     saved.init_from = str(tmp_path / "gone")  # restoring must not read it
   checkpointing.save_config(workdir, saved)
 
-  run = runs.load_run(workdir)
-  _, setup, state, frozen, _ = run_state.restore_run(workdir)
+  run = loaded.load_run(workdir)
+  _, setup, state, frozen, _ = training_state.restore_run(workdir)
   np.testing.assert_array_equal(run.params["layers"][0]["attn"]["q"],
                                 lora.merge(frozen, state["params"], setup.lora_cfg)
                                 ["layers"][0]["attn"]["q"])
-  cfg, params = checkpoint_io.load_model(workdir)  # what convert_checkpoint exports
-  checkpoint_io.check_params(cfg, params)
+  cfg, params = model_dirs.load_model(workdir)  # what convert_checkpoint exports
+  model_dirs.check_params(cfg, params)
 
 
 def test_qlora_run_quantizes_its_base_on_load_and_resumes(base_run, tmp_path):
   import ml_collections
 
-  from diffgemma import quantize
+  from diffgemma.model import quantize
 
   config = _lora_config(2)
   config.lora.base_dtype = "int4"
   config.quantize = ml_collections.ConfigDict(dict(group_size=8))
   workdir = str(tmp_path / "qlora")
-  train_loop.train(config, workdir, init_from=base_run, stop_at=1)
-  train_loop.train(config, workdir)  # resumes: the base re-read from init_from and re-quantized
-  _, setup, state, frozen, step = run_state.restore_run(workdir)
+  loop.train(config, workdir, init_from=base_run, stop_at=1)
+  loop.train(config, workdir)  # resumes: the base re-read from init_from and re-quantized
+  _, setup, state, frozen, step = training_state.restore_run(workdir)
   assert step == 2 and setup.quantize_cfg.dtype == "int4"
   q = frozen["layers"][0]["attn"]["q"]
   assert isinstance(q, quantize.QuantizedWeight) and q.qvalue.dtype == jnp.int4
   # The frozen base is the quantized float base of the run it started from.
-  _, base_params, _ = checkpoint_io.load_workdir(base_run)
+  _, base_params, _ = model_dirs.load_workdir(base_run)
   expected = quantize.quantize_params(base_params, setup.quantize_cfg)
   np.testing.assert_array_equal(q.qvalue, expected["layers"][0]["attn"]["q"].qvalue)
   assert set(state["params"]) == set(lora.target_paths(frozen, setup.lora_cfg))
@@ -207,23 +210,25 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
-from diffgemma import run_state, sharding, trainer
+from diffgemma.model import sharding
+from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
+from diffgemma.training import update_step
 from tests.test_training import tiny_sudoku_config
 
 def losses(fsdp, tensor, lora_base=None):
   config = tiny_sudoku_config(workdir_steps=5)
   config.model.update(dict(num_heads=4, num_kv_heads=2, intermediate_size=32))
   config.sharding.update(dict(fsdp=fsdp, tensor=tensor))
-  setup = run_state.make_setup(config)
+  setup = training_state.make_setup(config)
   assert setup.mesh.size == fsdp * tensor
-  state = run_state.init_state(config, setup)
-  target = run_state.abstract_state(config, setup)
+  state = training_state.init_state(config, setup)
+  target = training_state.abstract_state(config, setup)
   state = jax.device_put(state, jax.tree_util.tree_map(lambda x: x.sharding, target))
-  stage = trainer.SftStage(config, make_task(config), setup)
-  step = trainer.make_update_step(setup, stage.loss_fn,
+  stage = update_step.SftStage(config, make_task(config), setup)
+  step = update_step.make_update_step(setup, stage.loss_fn,
                                   jax.tree_util.tree_map(lambda x: x.sharding, target), None,
-                                  trainer.batch_shardings(setup, stage.batch_shapes()))
+                                  update_step.batch_shardings(setup, stage.batch_shapes()))
   stage.start(state, None, 0, '.')
   out = []
   for _ in range(5):

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from diffgemma import lowering
-from diffgemma.kernels import attention as attention_kernel
-from diffgemma.kernels import platform
+from diffgemma.model.kernels import attention as attention_kernel
+from diffgemma.model.kernels import platform
+from diffgemma.tools import lowering
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

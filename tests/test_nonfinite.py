@@ -1,13 +1,14 @@
 """Finite-or-stop: a non-finite loss never reaches a checkpoint (the training CLI, end to end).
 
-The update step's test hook (trainer.INJECT_NONFINITE_ENV) makes one chosen step's loss NaN."""
+The update step's test hook (update_step.INJECT_NONFINITE_ENV) makes one chosen step's loss NaN."""
 
 import os
 
 import jax
 import numpy as np
 
-from diffgemma import checkpointing, run_state, trainer
+from diffgemma.runs import checkpointing, training_state
+from diffgemma.training import update_step
 from tests.test_cli import run
 
 TINY = ["--config=sft_sudoku", "--config.model.vocab_size=16", "--config.model.hidden_size=16",
@@ -23,7 +24,7 @@ TINY = ["--config=sft_sudoku", "--config.model.vocab_size=16", "--config.model.h
 
 
 def train(workdir, *extra, nan_at=None):
-  env = {trainer.INJECT_NONFINITE_ENV: str(nan_at)} if nan_at else {}
+  env = {update_step.INJECT_NONFINITE_ENV: str(nan_at)} if nan_at else {}
   return run("train.py", *TINY, f"--workdir={workdir}", *extra, env=env)
 
 
@@ -41,7 +42,7 @@ def test_a_nan_stops_the_run_at_its_step_and_keeps_the_last_finite_checkpoint(tm
   assert "last finite checkpoint is step 2" in last
   # keep_checkpoints=1: the finite step 2 was not pushed out by anything later.
   assert os.listdir(checkpointing.checkpoint_dir(workdir)) == ["2"]
-  *_, state, _, step = run_state.restore_run(workdir)
+  *_, state, _, step = training_state.restore_run(workdir)
   assert step == 2 and all_finite(state) and int(state["nonfinite"]) == 0
 
 
@@ -52,9 +53,9 @@ def test_skip_mode_leaves_the_bad_step_out_and_counts_it(tmp_path):
   r = train(skipped, "--config.on_nonfinite=skip", "--config.checkpoint_every=1",
             "--config.keep_checkpoints=6", nan_at=3)
   assert r.returncode == 0, r.stderr[-2000:]
-  *_, before, _, _ = run_state.restore_run(skipped, step=2)
-  *_, bad, _, _ = run_state.restore_run(skipped, step=3)
-  *_, final, _, step = run_state.restore_run(skipped)
+  *_, before, _, _ = training_state.restore_run(skipped, step=2)
+  *_, bad, _, _ = training_state.restore_run(skipped, step=3)
+  *_, final, _, step = training_state.restore_run(skipped)
   assert step == 6 and all_finite(final)
   assert int(final["nonfinite"]) == 1 and int(final["nonfinite_step"]) == 3
   for key in ("params", "opt_state"):

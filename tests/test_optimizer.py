@@ -1,4 +1,4 @@
-"""The optimizer (diffgemma/optimizer.py) against float64 numpy references of its update rules:
+"""The optimizer (diffgemma/training/optimizer.py) against float64 numpy references of its update rules:
 AdamW and Adafactor (factored and not, with and without momentum), global-norm clipping,
 decoupled weight decay on matrices only, and bfloat16 optimizer state."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from diffgemma import optimizer
+from diffgemma.training import optimizer
 
 SHAPES = {"experts": (3, 7, 5), "matrix": (6, 4), "norm": (5,)}  # distinct sizes per tensor
 STEPS = 3

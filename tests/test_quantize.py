@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization (diffgemma/quantize.py): the quantizer against a float64
+"""Weight-only int8 / int4 quantization (diffgemma/model/quantize.py): the quantizer against a float64
 numpy reference, the model on a quantized tree against the same model on its dequantized float
 weights, the logits cost on a tiny random model, and QLoRA training.
 
@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import lora, model, quantize, run_state, sharding, trainer
+from diffgemma.model import lora, network, quantize, sharding
+from diffgemma.model.config import tiny
+from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
-from diffgemma.config import tiny
+from diffgemma.training import update_step
 from tests.test_training import tiny_sudoku_config
 
 
@@ -77,9 +79,9 @@ def _logits(params, cfg, batch=2, prompt_len=12):
 
   @jax.jit
   def run(params):
-    cache = model.init_cache(cfg, batch, prompt_len + cfg.canvas_length)
-    _, cache = model.encode(params, cfg, prompt, cache)
-    return model.decode(params, cfg, canvas, cache)
+    cache = network.init_cache(cfg, batch, prompt_len + cfg.canvas_length)
+    _, cache = network.encode(params, cfg, prompt, cache)
+    return network.decode(params, cfg, canvas, cache)
 
   return run(params)
 
@@ -89,7 +91,7 @@ def test_model_consumes_quantized_weights_as_their_dequantized_values(moe_impl):
   # "tiled" takes w[tile experts], "tiled_scan" w[e] in a loop, "pallas" the whole dequantized
   # stack (as linear and ragged_dot do).
   cfg = tiny(num_layers=2, moe_impl=moe_impl, moe_tile_size=8)
-  params = model.init_params(cfg, jax.random.PRNGKey(0), 0.2)
+  params = network.init_params(cfg, jax.random.PRNGKey(0), 0.2)
   qparams = quantize.quantize_params(params, quantize.QuantizeConfig("int4", group_size=16))
   assert isinstance(qparams["layers"][0]["experts"]["gate_up"], quantize.QuantizedWeight)
   assert not isinstance(qparams["layers"][0]["router"]["proj"], quantize.QuantizedWeight)
@@ -102,7 +104,7 @@ def test_logits_cost_on_a_tiny_random_model():
   cfg = tiny(num_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
              head_dim=32, global_head_dim=64, vocab_size=128, moe_impl="tiled",
              moe_tile_size=8)
-  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  params = network.init_params(cfg, jax.random.PRNGKey(0))
   ref = _logits(params, cfg, batch=4, prompt_len=16)
   rel_rms = {}
   for dtype in ("int8", "int4"):
@@ -120,12 +122,12 @@ def _qlora_setup(base_dtype, moe_impl):
   config.optimizer.lr = 1e-2
   import ml_collections
   config.quantize = ml_collections.ConfigDict(dict(group_size=8))
-  return config, run_state.make_setup(config)
+  return config, training_state.make_setup(config)
 
 
 def sft_step(config, setup):
   """The jitted SFT update step of `config` (as the training loop builds it, unsharded)."""
-  return trainer.make_update_step(setup, trainer.SftStage(config, make_task(config),
+  return update_step.make_update_step(setup, update_step.SftStage(config, make_task(config),
                                                           setup).loss_fn)
 
 
@@ -137,11 +139,11 @@ def test_qlora_step_trains_only_adapters_with_the_dequantized_base_gradients():
 
   config, setup = _qlora_setup("int4", moe_impl)
   assert setup.quantize_cfg.dtype == "int4" and setup.quantize_cfg.group_size == 8
-  float_base = model.init_params(setup.model_cfg, jax.random.PRNGKey(0), 0.1)
+  float_base = network.init_params(setup.model_cfg, jax.random.PRNGKey(0), 0.1)
   frozen = quantize.quantize_params(float_base, setup.quantize_cfg)
-  shapes = run_state.base_params_shape(setup)
+  shapes = training_state.base_params_shape(setup)
   assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure(frozen)
-  state = run_state.init_state(config, setup, frozen=frozen)
+  state = training_state.init_state(config, setup, frozen=frozen)
   assert set(state["params"]) == set(lora.target_paths(frozen, setup.lora_cfg))
   batch = next(data.train_batches(config.data, config.batch_size, 2))
   step = sft_step(config, setup)
@@ -161,7 +163,7 @@ def test_qlora_step_trains_only_adapters_with_the_dequantized_base_gradients():
 
   # The same step on the dequantized float base: the same loss, gradients and new adapters.
   float_config = _qlora_setup("float32", moe_impl)[0]
-  float_step = sft_step(float_config, run_state.make_setup(float_config))
+  float_step = sft_step(float_config, training_state.make_setup(float_config))
   float_state, float_metrics = two_steps(float_step, quantize.dequantize_params(frozen))
   np.testing.assert_allclose(float(metrics["loss"]), float(float_metrics["loss"]), rtol=1e-5)
   np.testing.assert_allclose(float(metrics["grad_norm"]), float(float_metrics["grad_norm"]),
@@ -176,10 +178,10 @@ def test_quantized_base_bytes_and_sharding_axes():
   sizes = {}
   for base_dtype in ("float32", "int8", "int4"):
     _, setup = _qlora_setup(base_dtype, "tiled")
-    sizes[base_dtype] = quantize.nbytes(run_state.base_params_shape(setup))
+    sizes[base_dtype] = quantize.nbytes(training_state.base_params_shape(setup))
   assert sizes["int4"] < sizes["int8"] < sizes["float32"]
   cfg = tiny()
-  shapes = model.abstract_params(cfg)
+  shapes = network.abstract_params(cfg)
   experts = shapes["layers"][0]["experts"]["gate_up"]
   # Values take the weight's logical axes; a scale's size-1 axes stay unsplit.
   assert sharding.logical_axes("layers.0.experts.gate_up.qvalue", 3) == (

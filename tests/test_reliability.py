@@ -23,15 +23,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from diffgemma import (
-  checkpointing,
-  resume_config,
-  run_guard,
-  run_state,
-  train_loop,
-  workdir_lock,
-)
+from diffgemma.runs import checkpointing, resume_config, guard, training_state, workdir_lock
 from diffgemma.tasks import sudoku_puzzles as sudoku
+from diffgemma.training import loop
 from tests.test_cli import ROOT, one_line_error, run
 from tests.test_training import tiny_sudoku_config
 
@@ -50,12 +44,12 @@ def config_of_run():
 def reference(tmp_path_factory):
   """An uninterrupted run of STEPS steps (checkpoints every EVERY, the last two kept)."""
   path = str(tmp_path_factory.mktemp("reference") / "run")
-  train_loop.train(config_of_run(), path)
+  loop.train(config_of_run(), path)
   return path
 
 
 def final_state(workdir):
-  *_, state, _, step = run_state.restore_run(workdir)
+  *_, state, _, step = training_state.restore_run(workdir)
   return state, step
 
 
@@ -89,7 +83,7 @@ def start(cmd, log_path, **popen):
 # lock within a fraction of a second of the go, while the first trainer is still busy.
 PRELOADED = """
 import os, runpy, sys, time
-import jax, diffgemma.sdrl, diffgemma.trainer, tests.test_training
+import jax, diffgemma.training.stages.sdrl, diffgemma.training.update_step, tests.test_training
 go, sys.argv = sys.argv[1], sys.argv[2:]
 while not os.path.exists(go):
   time.sleep(0.005)
@@ -206,7 +200,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_training_ends_equal(referenc
 
   # The trainer moves the damaged step aside (never deleting it), resumes from the older one
   # and ends where the uninterrupted run ended.
-  train_loop.train(config_of_run(), workdir)
+  loop.train(config_of_run(), workdir)
   err = capfd.readouterr().err
   assert f"moved damaged checkpoint step {STEPS} to " in err and "Traceback" not in err
   moved = os.listdir(os.path.join(workdir, checkpointing.DAMAGED_DIR))
@@ -263,13 +257,13 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_ends_equal(referenc
 
   monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk_at_step_4)
   with pytest.raises(checkpointing.CheckpointWriteError) as e:
-    train_loop.train(config_of_run(), workdir)
+    loop.train(config_of_run(), workdir)
   message = str(e.value)
   assert "\n" not in message and "disk full" in message
   assert "the last complete checkpoint is step 2" in message
   monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
   assert checkpointing.steps_on_disk(workdir) == [2]
-  train_loop.train(config_of_run(), workdir)
+  loop.train(config_of_run(), workdir)
   assert_bitwise_equal(workdir, reference)
 
 
@@ -300,8 +294,8 @@ def test_a_failing_data_pipeline_is_one_line_naming_the_last_checkpoint(tmp_path
     return real(seed, index, *args)
 
   monkeypatch.setattr(sudoku, "generated_record", fails_at_step_4)
-  with pytest.raises(run_guard.RunFailure) as e:
-    train_loop.train(config_of_run(), workdir)
+  with pytest.raises(guard.RunFailure) as e:
+    loop.train(config_of_run(), workdir)
   message = str(e.value)
   assert "\n" not in message
   assert message.startswith("the data pipeline failed preparing step 4: SudokuGenerationError")
@@ -363,7 +357,7 @@ def test_resume_records_safe_changes_with_their_step(reference, tmp_path, capsys
   changed = config_of_run()  # the run is complete: resuming trains no step (nothing compiles)
   changed.log_every = 3
   changed.keep_checkpoints = 5
-  train_loop.train(changed, workdir)
+  loop.train(changed, workdir)
   history = resume_config.history(workdir)
   assert len(history) == 1 and history[0]["step"] == STEPS
   assert history[0]["changes"] == {"keep_checkpoints": {"old": 2, "new": 5},
@@ -372,7 +366,7 @@ def test_resume_records_safe_changes_with_their_step(reference, tmp_path, capsys
       capsys.readouterr().out)
   saved = checkpointing.load_config(workdir)
   assert saved.log_every == 3 and saved.keep_checkpoints == 5
-  train_loop.train(changed, workdir)  # the same request again changes nothing more
+  loop.train(changed, workdir)  # the same request again changes nothing more
   assert len(resume_config.history(workdir)) == 1
 
 
@@ -399,7 +393,7 @@ def test_bad_config_values_are_one_line_value_errors(key, value, words):
   parent, _, leaf = key.rpartition(".")
   (config[parent] if parent else config)[leaf] = value
   with pytest.raises(ValueError, match=words) as e:
-    train_loop.prepare_config(ml_collections.ConfigDict(config), None, None)
+    loop.prepare_config(ml_collections.ConfigDict(config), None, None)
   assert "\n" not in str(e.value)
 
 

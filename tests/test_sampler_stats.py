@@ -15,7 +15,7 @@ import pytest
 import scipy.stats
 import torch
 
-from diffgemma import sampler
+from diffgemma.sampling import sampler
 from tests import reference_sampling as rs
 
 # Under equal means a fixed-seed run fails with probability ALPHA per statistic.

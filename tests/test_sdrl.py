@@ -9,25 +9,15 @@ import numpy as np
 import pytest
 
 from configs import sdrl_sudoku, sft_sudoku
-from diffgemma import (
-  checkpoint_io,
-  checkpointing,
-  diffusion,
-  lora,
-  losses,
-  model,
-  provenance,
-  rewards,
-  run_config,
-  run_state,
-  sampler,
-  sdrl,
-  train_loop,
-  trainer,
-)
+from diffgemma.io import model_dirs
+from diffgemma.model import lora, network
+from diffgemma.runs import checkpointing, provenance, run_config, training_state
+from diffgemma.sampling import sampler
 from diffgemma.tasks import make_task
 from diffgemma.tasks import sudoku as data
 from diffgemma.tasks import sudoku_puzzles as sudoku
+from diffgemma.training import diffusion, losses, rewards, loop, update_step
+from diffgemma.training.stages import sdrl
 
 
 def tiny_configs():
@@ -61,11 +51,11 @@ def save_sft_run(sft, workdir):
   rounding differences between two compiled programs grow into flipped expert choices and
   argmaxes within a few steps), so the replay checks need a tame one, as a trained model is.
   """
-  setup = run_state.make_setup(sft)
-  params = model.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
+  setup = training_state.make_setup(sft)
+  params = network.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
   checkpointing.save_config(workdir, sft)
   with checkpointing.manager(workdir) as mngr:
-    checkpointing.save(mngr, 0, run_state.init_state(sft, setup, params))
+    checkpointing.save(mngr, 0, training_state.init_state(sft, setup, params))
   return params
 
 
@@ -79,7 +69,7 @@ CFG = run_config.model_config(tiny_configs()[1])
 def params():
   # As save_sft_run's (one compiled init). An "rbg" key: threefry's op-by-op compiles make init
   # several times slower on CPU.
-  return model.init_params(CFG, jax.random.key(0, impl="rbg"))
+  return network.init_params(CFG, jax.random.key(0, impl="rbg"))
 
 
 def log_softmax64(logits):
@@ -92,9 +82,9 @@ def log_softmax64(logits):
 def state_logits(params, prompt_UxP, canvas_UxC, self_cond_UxCxD):
   """Each state row decoded after its own prompt's encoding (no shared cache)."""
   u, p = prompt_UxP.shape
-  cache = model.init_cache(CFG, u, p + CFG.canvas_length)
-  _, cache = model.encode(params, CFG, prompt_UxP, cache)
-  return model.decode(params, CFG, canvas_UxC, cache, None, None, None, self_cond_UxCxD)
+  cache = network.init_cache(CFG, u, p + CFG.canvas_length)
+  _, cache = network.encode(params, CFG, prompt_UxP, cache)
+  return network.decode(params, CFG, canvas_UxC, cache, None, None, None, self_cond_UxCxD)
 
 
 @jax.jit
@@ -105,10 +95,10 @@ def corrupted_state_logits(params, prompt_UxP, target_UxC, rng):
   t_rng, noise_rng = jax.random.split(jax.random.split(rng)[0])
   t_U = diffusion.sample_noise_level(t_rng, u, losses.LossConfig().t_eps)
   noisy_UxC = diffusion.corrupt(noise_rng, target_UxC, t_U, CFG.vocab_size, "linear")
-  cache = model.init_cache(CFG, u, p + CFG.canvas_length)
-  _, cache = model.encode(params, CFG, prompt_UxP, cache)
-  first = model.decode(params, CFG, noisy_UxC, cache)
-  return noisy_UxC, model.decode(params, CFG, noisy_UxC, cache, None, first,
+  cache = network.init_cache(CFG, u, p + CFG.canvas_length)
+  _, cache = network.encode(params, CFG, prompt_UxP, cache)
+  first = network.decode(params, CFG, noisy_UxC, cache)
+  return noisy_UxC, network.decode(params, CFG, noisy_UxC, cache, None, first,
                                  jnp.arange(u) % 2 == 0)
 
 
@@ -270,8 +260,8 @@ def test_replay_reproduces_the_recorded_trajectory(tmp_path):
   """
   sft, config = tiny_configs()
   save_sft_run(sft, str(tmp_path / "sft"))
-  setup = run_state.make_setup(config)
-  params = run_state.load_initial_params(config, str(tmp_path / "sft"), setup.mesh,
+  setup = training_state.make_setup(config)
+  params = training_state.load_initial_params(config, str(tmp_path / "sft"), setup.mesh,
                                          setup.rules)  # placed as the loop's
   model_cfg, scfg = run_config.model_config(config), sdrl.rollout_sampler_config(config)
   cfg = sdrl.sdrl_config(config)
@@ -315,7 +305,7 @@ def test_replay_reproduces_the_recorded_trajectory(tmp_path):
   assert (step_U[ok] < steps[k_U, row_U][ok]).all()
   assert float(batch["norm_B"][0]) == ok.sum()
   cache_U = losses.take_cache_rows(cache, jnp.asarray(row_U))
-  logits = jax.jit(model.decode, static_argnums=1)(
+  logits = jax.jit(network.decode, static_argnums=1)(
       params, model_cfg, flat(batch["canvas_BxSxC"]), cache_U, jnp.asarray(prefix_U), None, None,
       flat(batch["self_cond_BxSxCxD"]))
   recorded = np.asarray(traj["argmax"])[k_U, np.maximum(step_U, 0), row_U]
@@ -451,21 +441,21 @@ def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
   sft_dir = str(tmp_path / "sft")
   sft_params = save_sft_run(sft, sft_dir)
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  last = train_loop.train(config, straight, init_from=sft_dir)
+  last = loop.train(config, straight, init_from=sft_dir)
   for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/accuracy",
               "rollout/tokens_per_forward", "rollout/steps_per_canvas", "time/rollout_seconds",
               "time/sampling_share", "loss"):
     assert np.isfinite(last[key]), key
   assert last["states/replay_agreement"] == 1.0
-  train_loop.train(config, resumed, stop_at=2, init_from=sft_dir)
+  loop.train(config, resumed, stop_at=2, init_from=sft_dir)
   assert checkpointing.latest_step(resumed) == 2
-  train_loop.train(config, resumed)
+  loop.train(config, resumed)
   invocations = provenance.load_run_info(resumed)["invocations"]  # run_info.json
   assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
       (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
 
-  *_, a, _, step_a = run_state.restore_run(straight)
-  *_, b, _, step_b = run_state.restore_run(resumed)
+  *_, a, _, step_a = training_state.restore_run(straight)
+  *_, b, _, step_b = training_state.restore_run(resumed)
   assert step_a == step_b == 4
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
   assert not np.array_equal(a["params"]["embedding"], sft_params["embedding"])  # it trained
@@ -474,7 +464,7 @@ def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
 def test_a_new_run_needs_init_from(tmp_path):
   _, config = tiny_configs()
   with pytest.raises(checkpointing.CheckpointError, match="--init_from"):
-    train_loop.train(config, str(tmp_path / "run"))
+    loop.train(config, str(tmp_path / "run"))
 
 
 # ----------------------------------------------------------------------------- one update step
@@ -484,9 +474,9 @@ def _stage_and_batch(config, sft_dir, accum):
   """An SD·RL stage over a fresh tiny state from `sft_dir`, and one rollout's update batch."""
   config = config.copy_and_resolve_references()
   config.grad_accum_steps = accum
-  config, task, _, _ = train_loop.prepare_config(config, None, sft_dir)
-  setup = run_state.make_setup(config)
-  state, frozen = run_state.new_state(config, setup, sft_dir)
+  config, task, _, _ = loop.prepare_config(config, None, sft_dir)
+  setup = training_state.make_setup(config)
+  state, frozen = training_state.new_state(config, setup, sft_dir)
   stage = sdrl.SdrlStage(config, task, setup)
   stage.start(state, frozen, 0, sft_dir)
   batch, _ = stage.next_batch(0, state, frozen)
@@ -506,7 +496,7 @@ def test_gradient_accumulation_equals_one_step_on_the_whole_batch(tmp_path):
     if accum == 2:
       assert float(batch["states"]["norm_B"][0]) * 2 == pytest.approx(norm_whole)
     norm_whole = float(batch["states"]["norm_B"][0])
-    step = trainer.make_update_step(setup, stage.loss_fn, stream=stage.update_stream)
+    step = update_step.make_update_step(setup, stage.loss_fn, stream=stage.update_stream)
     state, metrics = step(state, frozen, batch)
     assert int(state["nonfinite"]) == 0
     new_params.append(state["params"])
@@ -522,11 +512,11 @@ def test_lora_sdrl_trains_only_the_adapters(tmp_path):
   config.optimizer.lr = 1e-2
   config.num_train_steps = 2
   workdir = str(tmp_path / "lora")
-  train_loop.train(config, workdir, init_from=sft_dir)
-  _, setup, state, frozen, _ = run_state.restore_run(workdir)
+  loop.train(config, workdir, init_from=sft_dir)
+  _, setup, state, frozen, _ = training_state.restore_run(workdir)
   assert set(state["params"]) == set(lora.target_paths(frozen, setup.lora_cfg))
   assert any(np.any(np.asarray(f["b"])) for f in state["params"].values())  # adapters moved
-  base = checkpoint_io.load_workdir(sft_dir)[1]
+  base = model_dirs.load_workdir(sft_dir)[1]
   jax.tree_util.tree_map(np.testing.assert_array_equal, frozen, base)  # base untouched
 
 
@@ -535,7 +525,8 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
-from diffgemma import run_state, train_loop
+from diffgemma.runs import training_state
+from diffgemma.training import loop
 from tests.test_sdrl import save_sft_run, tiny_configs
 
 root = sys.argv[1]
@@ -545,8 +536,8 @@ finals = []
 for fsdp in (1, 2):
   run = config.copy_and_resolve_references()
   run.sharding.fsdp = fsdp
-  train_loop.train(run, f"{root}/fsdp{fsdp}", init_from=root + "/sft")
-  _, setup, state, _, _ = run_state.restore_run(f"{root}/fsdp{fsdp}")
+  loop.train(run, f"{root}/fsdp{fsdp}", init_from=root + "/sft")
+  _, setup, state, _, _ = training_state.restore_run(f"{root}/fsdp{fsdp}")
   assert setup.mesh.size == fsdp
   finals.append(jax.device_get(state["params"]))
 jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), *finals)

@@ -6,8 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from diffgemma import checkpointing, cli, model, run_state, train_loop
+from diffgemma import cli
+from diffgemma.model import network
+from diffgemma.runs import checkpointing, training_state
 from diffgemma.tasks import sudoku
+from diffgemma.training import loop
 from tests.test_chat_scripts import load_script
 from tests.test_training import tiny_sudoku_config
 
@@ -65,7 +68,7 @@ def test_diagnostics_of_a_tiny_trained_run(tmp_path, script):
   config.sampler.max_denoising_steps = 2
   config.eval.batch_size = SAMPLER_PUZZLES
   workdir = str(tmp_path / "run")
-  train_loop.train(config, workdir)
+  loop.train(config, workdir)
 
   results, report = script.run_diagnostics(workdir, num_puzzles=NUM_PUZZLES, levels=LEVELS,
                                            attention_t=LEVELS[0],
@@ -92,11 +95,11 @@ def test_diagnostics_read_cell_token_prompts(tmp_path, script):
   config.data.prompt_format = "cell_tokens"
   config.model.vocab_size = sudoku.vocab_size("cell_tokens")
   workdir = str(tmp_path / "run")
-  setup = run_state.make_setup(config)
-  params = model.init_params(setup.model_cfg, jax.random.PRNGKey(0))
+  setup = training_state.make_setup(config)
+  params = network.init_params(setup.model_cfg, jax.random.PRNGKey(0))
   checkpointing.save_config(workdir, config)
   with checkpointing.manager(workdir) as mngr:
-    checkpointing.save(mngr, 0, run_state.init_state(config, setup, params))
+    checkpointing.save(mngr, 0, training_state.init_state(config, setup, params))
 
   run = script.open_sudoku_run(workdir)
   prompts, _, given = script.held_out_set(run, NUM_PUZZLES, seed=1)

@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import decoders, normalizers, trainers
 from transformers import AutoTokenizer, GemmaTokenizer
 
-from diffgemma import tokenizer as tokenizer_lib
+from diffgemma.io import tokenizer as tokenizer_lib
 from tests.test_cli import ROOT, one_line_error
 
 CORPUS = ["the quick brown fox jumps over the lazy dog\n", "hello world, how are you?\n",
@@ -233,11 +233,12 @@ def test_sample_text_end_to_end(checkpoint, tmp_path):
   import jax
   import numpy as np
 
-  from diffgemma import checkpoint_io, sampler
+  from diffgemma.io import model_dirs
+  from diffgemma.sampling import sampler
 
   prompt, max_new, seed = "hello world, how are you?", 16, 3
   tok = tokenizer_lib.load_tokenizer(checkpoint)
-  model_cfg, params = checkpoint_io.load_model(checkpoint)
+  model_cfg, params = model_dirs.load_model(checkpoint)
   sampler_cfg = sampler.SamplerConfig(max_new_tokens=max_new, stop_token_ids=tok.stop_ids)
   prompt_1xP = np.asarray([tok.chat_prompt(prompt)], np.int32)
   args = (prompt_1xP, np.ones_like(prompt_1xP, bool), jax.random.PRNGKey(seed))

@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma import diffusion, losses, model, provenance, run_state, train_loop
+from diffgemma.model import network
+from diffgemma.model.config import tiny
+from diffgemma.runs import provenance, training_state
 from diffgemma.tasks import Layout
 from diffgemma.tasks import sudoku as data
-from diffgemma.config import tiny
+from diffgemma.training import diffusion, losses, loop
 from configs import sft_sudoku
 
 
@@ -58,7 +60,7 @@ def test_corruption_touches_only_corruptible_positions():
 def test_sft_loss_matches_hand_computation():
   """Decoder CE recomputed from the model's pieces with the same random draws."""
   cfg = tiny(canvas_length=4)
-  params = model.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+  params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
   p, k, b = 3, 2, 4
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, p + k * 4)), jnp.int32)
@@ -69,14 +71,14 @@ def test_sft_loss_matches_hand_computation():
   layout = Layout(p, k, 4)
   # Jitted: op-by-op dispatch of the model is ~5x slower than one compile.
   sft_loss = jax.jit(losses.sft_loss, static_argnums=(1, 2, 3))
-  encode = jax.jit(model.encode, static_argnums=1)
-  decode = jax.jit(model.decode, static_argnums=1)
+  encode = jax.jit(network.encode, static_argnums=1)
+  decode = jax.jit(network.decode, static_argnums=1)
   total, metrics = sft_loss(params, cfg, loss_cfg, layout, batch, jax.random.PRNGKey(3))
 
   # Encoder CE by hand: next-token over supervised targets.
-  cache = model.init_cache(cfg, b, p + k * 4)
+  cache = network.init_cache(cfg, b, p + k * 4)
   hidden, cache = encode(params, cfg, tokens, cache)
-  logp = jax.nn.log_softmax(model.lm_head(params, hidden, cfg)[:, :-1])
+  logp = jax.nn.log_softmax(network.lm_head(params, hidden, cfg)[:, :-1])
   nll = -np.take_along_axis(np.asarray(logp), np.asarray(tokens)[:, 1:, None], -1)[..., 0]
   m = np.asarray(loss_mask)[:, 1:]
   np.testing.assert_allclose(metrics["encoder_loss"], (nll * m).sum() / m.sum(), rtol=1e-5)
@@ -139,16 +141,16 @@ def test_training_resumes_exactly(tmp_path):
   with_eval = config.copy_and_resolve_references()
   with_eval.eval.update(dict(every_steps=4, num_puzzles=2, batch_size=2))
   with_eval.sampler.max_denoising_steps = 2
-  straight_last = train_loop.train(with_eval, straight)
+  straight_last = loop.train(with_eval, straight)
   assert 0.0 <= straight_last["eval/cell_accuracy"] <= 1.0
-  train_loop.train(config, resumed, stop_at=2)
-  last = train_loop.train(config, resumed)
+  loop.train(config, resumed, stop_at=2)
+  last = loop.train(config, resumed)
   invocations = provenance.load_run_info(resumed)["invocations"]  # run_info.json
   assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
       (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
   assert np.isfinite(last["loss"])
-  *_, a, _, step_a = run_state.restore_run(straight)
-  *_, b, _, step_b = run_state.restore_run(resumed)
+  *_, a, _, step_a = training_state.restore_run(straight)
+  *_, b, _, step_b = training_state.restore_run(resumed)
   assert step_a == step_b == 4
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
   assert json.load(open(os.path.join(straight, "config.json")))["batch_size"] == 4
@@ -161,7 +163,7 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
   corrupted canvas decoded after encoding only the clean history (prompt + canvases < k), with
   padding in the prompt and in later canvases. Both selections ("one", "all") are checked."""
   cfg = tiny(canvas_length=4)
-  params = model.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+  params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
   p, k, c, b = 5, 3, 4, 3
   rng = np.random.default_rng(1)
   tokens = rng.integers(3, cfg.vocab_size, (b, p + k * c)).astype(np.int32)
@@ -174,8 +176,8 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
   batch = {k_: jnp.asarray(v) for k_, v in
            {"tokens": tokens, "valid": valid, "loss_mask": loss_mask}.items()}
   layout = Layout(p, k, c)
-  decode = jax.jit(model.decode, static_argnums=1)
-  encode = jax.jit(model.encode, static_argnums=1)
+  decode = jax.jit(network.decode, static_argnums=1)
+  encode = jax.jit(network.encode, static_argnums=1)
 
   def by_history(canvas_B, t_rng, noise_rng, u_rows):
     """Decoder CE of each (row, canvas) after encoding just its clean history, no self-cond."""
@@ -187,7 +189,7 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
                               jnp.asarray(target))
     total, count = 0.0, 0.0
     for i, (r, s) in enumerate(zip(u_rows, starts)):
-      cache = model.init_cache(cfg, 1, s + c)
+      cache = network.init_cache(cfg, 1, s + c)
       _, cache = encode(params, cfg, jnp.asarray(tokens[r:r + 1, :s]), cache,
                         jnp.asarray(valid[r:r + 1, :s]))
       logits = decode(params, cfg, noisy[i:i + 1], cache)
@@ -218,16 +220,18 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
 def test_a_run_from_a_sudoku_run_keeps_its_prompt_format(tmp_path, capsys):
   """The starting run's embeddings were trained on its token mapping: --init_from adopts
   data.prompt_format (with a notice), and an override that contradicts it is a one-line error."""
-  from diffgemma import checkpointing, errors, train_loop
+  from diffgemma import errors
+  from diffgemma.runs import checkpointing
+  from diffgemma.training import loop
 
   source = tiny_sudoku_config()
   source.data.prompt_format = "cell_tokens"
   source.model.vocab_size = 832
   os.makedirs(tmp_path / "checkpoints")
   checkpointing.save_config(str(tmp_path), source)
-  config, task, _, _ = train_loop.prepare_config(tiny_sudoku_config(), None, str(tmp_path))
+  config, task, _, _ = loop.prepare_config(tiny_sudoku_config(), None, str(tmp_path))
   assert config.data.prompt_format == "cell_tokens" and task.prompt_format == "cell_tokens"
   assert "data.prompt_format: 'digits' -> 'cell_tokens'" in capsys.readouterr().out
   with pytest.raises(errors.ConfigError, match="drop the override"):
-    train_loop.prepare_config(tiny_sudoku_config(), None, str(tmp_path),
+    loop.prepare_config(tiny_sudoku_config(), None, str(tmp_path),
                               overridden={"data.prompt_format"})

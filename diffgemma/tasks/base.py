@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from diffgemma import traces
+from diffgemma.sampling import traces
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ Data formats, the canvas layout and the overflow policies: diffgemma/tasks/chat_
 metrics: diffgemma/tasks/text_metrics.py.
 
 The tokenizer (`data.tokenizer`): a directory holding tokenizer.json or tokenizer.model plus a
-chat template; "bytes" (diffgemma/tokenizer.py's byte-level tokenizer); empty = the run's
+chat template; "bytes" (diffgemma/io/tokenizer.py's byte-level tokenizer); empty = the run's
 `init_from` checkpoint directory.
 
 A user reward function (`sdrl.reward_fn="package.module:function"`) is called as
@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 import ml_collections
 import numpy as np
 
-from diffgemma import checkpointing, tokenizer as tokenizer_lib
+from diffgemma.io import tokenizer as tokenizer_lib
+from diffgemma.runs import checkpointing
 from diffgemma.tasks import chat_data, text_metrics
 from diffgemma.tasks.base import Layout, Prompts, Task
 

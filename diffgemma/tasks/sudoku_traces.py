@@ -13,9 +13,9 @@ from typing import Sequence
 
 import numpy as np
 
+from diffgemma.sampling.traces import TraceStep, check_trace_path, html_trace, trace_steps
 from diffgemma.tasks import sudoku_tokens as data
 from diffgemma.tasks import sudoku_puzzles as sudoku
-from diffgemma.traces import TraceStep, check_trace_path, html_trace, trace_steps
 
 TRACE_SUFFIXES = (".gif", ".html")
 

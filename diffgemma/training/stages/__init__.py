@@ -1,0 +1,1 @@
+"""Training stages: what feeds the one update step (SFT, SD·RL)."""
