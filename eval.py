@@ -5,11 +5,14 @@
       [--answer_regex=RE]                                   # chat runs
   python eval.py --init_from=CHECKPOINT_DIR --data=FILE --config=CONFIG
   python eval.py --workdir=DIR --data=FILE --quantize=int4            # a quantized base
+  python eval.py --workdir=DIR --data=FILE --sampler.entropy_bound=0.3  # any sampler key
 
 The task of the run (config.task.name) reads the file: a Kaggle-format CSV of puzzles for
 Sudoku, a JSONL of conversations for chat (the last assistant turn is the reference). Every
 prediction is written as one JSON line to DIR/predictions/<file>-step<N>.jsonl (--workdir; with
---init_from, to --predictions if given). The last line printed is one JSON object of metrics.
+--init_from, to --predictions if given). `--sampler.KEY=VALUE` overrides any field of the run's
+sampler (diffgemma.sampling.sampler.SamplerConfig). The last line printed is one JSON object of
+metrics; its "headline_metric" names the task's main one.
 """
 
 import json
@@ -72,9 +75,15 @@ def main(argv):
   if not os.path.isfile(_DATA.value):
     raise cli.UserError(f"--data file {_DATA.value!r} not found")
   from diffgemma.runs import loaded
-  from diffgemma.sampling import evaluation
+  from diffgemma.sampling import evaluation, sampler
 
-  overrides = {"record_trajectory": True} if _TRAJECTORY.value else {}
+  try:
+    sampler_overrides = sampler.parse_overrides(cli.section_overrides("sampler"))
+  except ValueError as e:
+    raise cli.UserError(str(e)) from None
+  overrides = dict(sampler_overrides)
+  if _TRAJECTORY.value:
+    overrides["record_trajectory"] = True
   if _WORKDIR.value:
     run = loaded.open_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
   else:
@@ -95,7 +104,8 @@ def main(argv):
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
         progress=bar, warmup=True)
   metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value),
-                 quantize=_QUANTIZE.value or "none")
+                 quantize=_QUANTIZE.value or "none", headline_metric=run.task.headline_metric,
+                 sampler_overrides=sampler_overrides)
   path = _PREDICTIONS.value
   if path is None and _WORKDIR.value:
     name = os.path.splitext(os.path.basename(_DATA.value))[0]
@@ -119,4 +129,4 @@ def write_jsonl(path: str, records) -> None:
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  cli.run(main, sections=("sampler",))

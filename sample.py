@@ -13,7 +13,9 @@ after every denoising step:
 
 `--trace=FILE.gif` (Sudoku) draws the grid at every step as an animation; `--trace=FILE.html`
 (either mode) writes the canvas tokens of every step, shaded by entropy (diffgemma/sampling/traces.py).
-Either mode takes --quantize=int8|int4: the weights quantized (weight-only) before sampling.
+Either mode takes --quantize=int8|int4: the weights quantized (weight-only) before sampling,
+and `--sampler.KEY=VALUE` for any sampler field (diffgemma.sampling.sampler.SamplerConfig), e.g.
+--sampler.entropy_bound=0.3.
 """
 
 import json
@@ -108,7 +110,10 @@ def sample_text():
   if max(prompt_ids) >= model_cfg.vocab_size:
     raise cli.UserError(f"the tokenizer in {path} gives id {max(prompt_ids)}, outside the "
                         f"model's vocabulary of {model_cfg.vocab_size}")
-  defaults = sampler.SamplerConfig()
+  try:
+    defaults = sampler.SamplerConfig().replace(**_sampler_overrides())
+  except ValueError as e:
+    raise cli.UserError(f"bad sampler override: {e}") from None
   max_new = _MAX_NEW_TOKENS.value or defaults.max_new_tokens
   stops = _stop_ids(path, hf_config, tok, model_cfg)
   sampler_cfg = defaults.replace(max_new_tokens=max_new, stop_token_ids=stops,
@@ -147,6 +152,16 @@ def sample_text():
                                    lambda t: tok.decode([t], skip_special_tokens=False),
                                    title=f"Denoising trace: {text[:80]}")
     print(f"trace: {_TRACE.value} ({rows} denoising steps)")
+
+
+def _sampler_overrides() -> dict:
+  """--sampler.KEY=VALUE, typed by the sampler's fields."""
+  from diffgemma.sampling import sampler
+
+  try:
+    return sampler.parse_overrides(cli.section_overrides("sampler"))
+  except ValueError as e:
+    raise cli.UserError(str(e)) from None
 
 
 def _maybe_quantize(params):
@@ -205,7 +220,7 @@ def sample_run():
   from diffgemma.runs import loaded
   from diffgemma.sampling import sampler
 
-  run = loaded.open_run(_WORKDIR.value, record_trajectory=True)
+  run = loaded.open_run(_WORKDIR.value, **{**_sampler_overrides(), "record_trajectory": True})
   prompts = run.task.prompt_from_text(text)  # checked before the weights load
   if _TRACE.value:
     from diffgemma.sampling import traces
@@ -244,4 +259,4 @@ def sample_run():
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  cli.run(main, sections=("sampler",))

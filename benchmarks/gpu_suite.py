@@ -50,6 +50,7 @@ from diffgemma.model import network, quantize  # noqa: E402
 from diffgemma.runs import training_state
 from diffgemma.sampling import sampler
 from diffgemma.training import update_step
+from diffgemma.training.stages import sft
 from diffgemma.tasks import make_task  # noqa: E402
 from diffgemma.model.config import FULL, SLIDING, ModelConfig, gemma_26b_a4b  # noqa: E402
 
@@ -339,7 +340,7 @@ def section_lora(suite: Suite, cfg: ModelConfig, params, variants, repeats: int)
       if setup.quantize_cfg is not None:
         frozen = quantize.quantize_params(params, setup.quantize_cfg)
       state = training_state.init_state(config, setup, frozen=frozen)
-      stage = update_step.SftStage(config, task, setup)
+      stage = sft.SftStage(config, task, setup)
       compiled = update_step.make_update_step(setup, stage.loss_fn).lower(
           state, frozen, batch).compile()
       mem = compiled.memory_analysis()

@@ -23,6 +23,7 @@ from diffgemma import cli  # noqa: E402
 from diffgemma.runs import run_config, training_state, loaded
 from diffgemma.sampling import sampler
 from diffgemma.training import update_step
+from diffgemma.training.stages import sft
 from diffgemma.tasks import make_task  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
@@ -35,7 +36,7 @@ def time_training(config, steps: int) -> float:
   """Seconds per training step after one compile step."""
   setup = training_state.make_setup(config)
   state = training_state.init_state(config, setup)
-  stage = update_step.SftStage(config, make_task(config), setup)
+  stage = sft.SftStage(config, make_task(config), setup)
   step_fn = update_step.make_update_step(setup, stage.loss_fn)
   stage.start(state, None, 0, os.getcwd())
   batch_list = [stage.next_batch(i, state, None)[0] for i in range(steps + 1)]

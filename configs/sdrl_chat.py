@@ -27,6 +27,7 @@ def get_config(variant: str = "count"):
   c.optimizer.update({"lr": 2e-4, "schedule": "constant", "warmup_steps": 10})
   c.eval.update({"every_steps": 100, "num_examples": 64})
 
+  c.stage = "sdrl"
   c.sdrl = ml_collections.ConfigDict({
       "mode": "both",  # "both" | "distill" (all advantages 1) | "rl" (corruptions, not states)
       "group_size": 4,  # G samples per prompt

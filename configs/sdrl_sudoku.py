@@ -24,6 +24,7 @@ def get_config():
   c.data.curriculum_steps = 0  # the "sft" anchor trains on the target givens mix directly
   c.eval.update({"every_steps": 100, "num_puzzles": 64})
 
+  c.stage = "sdrl"
   c.sdrl = ml_collections.ConfigDict({
       "mode": "both",  # "both" | "distill" (all advantages 1) | "rl" (corruptions, not states)
       "group_size": 4,  # G samples per prompt

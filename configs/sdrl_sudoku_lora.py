@@ -30,6 +30,7 @@ def get_config():
   c.data.curriculum_steps = 0  # the "sft" anchor trains on the target givens mix directly
   c.eval.update({"every_steps": 100, "num_puzzles": 64})
 
+  c.stage = "sdrl"
   c.sdrl = rl.sdrl
   c.sdrl.update({"group_size": 4, "prompts_per_rollout": 2, "states_per_trajectory": 4,
                  "anchor_batch_size": 8})

@@ -45,13 +45,9 @@ float in [0, 1] (prompt: the last user turn's text; reply: the generated text up
 stop token; reference: the data's reply).
 """
 
-import dataclasses
-
 import ml_collections
 
-from diffgemma.model.config import ModelConfig
-from diffgemma.model.lora import LoraConfig
-from diffgemma.model.sharding import ShardingConfig
+from configs import base
 
 BYTE_VOCAB = 261  # the byte tokenizer: PAD, EOS, BOS, <|turn>, <turn|>, 256 bytes
 CANVAS = 32
@@ -65,61 +61,26 @@ LAYOUTS = {"count": dict(prompt_len=48, num_canvases=6),
 def get_config(variant: str = "count"):
   if variant not in LAYOUTS:
     raise ValueError(f"unknown sft_chat variant {variant!r}; choose one of {tuple(LAYOUTS)}")
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.num_train_steps = 4000
-  c.batch_size = 16
-  c.max_train_minutes = 30.0  # stop (and checkpoint) after this much wall-clock time; 0 = off
-  c.log_every = 20
-  c.checkpoint_every = 250
-  c.keep_checkpoints = 2
-  # A step whose loss or gradient norm is not finite: "stop" the run there (nothing of it is
-  # saved), or "skip" it (no update) at most max_nonfinite_skips times.
-  c.on_nonfinite = "stop"
-  c.max_nonfinite_skips = 10
-
+  c = base.get_config()
   c.task = ml_collections.ConfigDict(dict(name="chat"))
 
-  # Model: Sudoku-sized DiffusionGemma (about 2.3M parameters) over the byte vocabulary.
-  c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig(
-      vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
-      num_kv_heads=4, head_dim=32, global_head_dim=32, num_global_kv_heads=2,
-      # theta 100 spreads the RoPE frequencies over the ~250-token context; q/k norms start at
-      # head_dim**-0.25 so attention logits start at unit scale (training from scratch).
-      sliding_rope_theta=100.0, qk_norm_init=32 ** -0.25,
-      sliding_window=1024, num_experts=8, top_k_experts=2, moe_intermediate_size=128,
-      canvas_length=CANVAS, param_dtype="float32", compute_dtype="float32",
-      moe_impl="tiled", moe_tile_size=128)))
+  # Model: Sudoku-sized DiffusionGemma (about 2.3M parameters) over the byte vocabulary; theta
+  # 100 spreads the RoPE frequencies over the ~250-token context.
+  c.model = base.small_model(vocab_size=BYTE_VOCAB, sliding_rope_theta=100.0,
+                             canvas_length=CANVAS)
 
-  # Objective (diffgemma.training.losses.LossConfig; the layout P, K, C comes from the task). One
-  # supervised canvas per example, uniformly among its valid canvases, the earlier ones clean in
-  # the encoder cache; the encoder's next-token loss on the reply.
-  c.loss = ml_collections.ConfigDict(dict(
-      encoder_weight=1.0, decoder_weight=1.0, encoder_scope="target", canvas_selection="one",
-      noise_schedule="linear", t_eps=1e-3, self_conditioning_prob=0.5,
-      decoder_weighting="flat"))
+  # Objective: one supervised canvas per example, uniformly among its valid canvases, the
+  # earlier ones clean in the encoder cache; the encoder's next-token loss on the reply.
+  c.loss.update(dict(encoder_weight=1.0, encoder_scope="target", canvas_selection="one"))
 
-  c.grad_accum_steps = 1
-  c.freeze_router = False
-  c.lora = ml_collections.ConfigDict(dataclasses.asdict(LoraConfig()))
-  c.sharding = ml_collections.ConfigDict(dataclasses.asdict(ShardingConfig()))
-
-  c.optimizer = ml_collections.ConfigDict(dict(
-      lr=3e-3, warmup_steps=100, schedule="cosine", end_lr_fraction=0.05, weight_decay=0.01,
-      b1=0.9, b2=0.99, grad_clip=1.0,
-      # "adamw" | "adafactor" (factored second moments); moments stored in "float32" | "bfloat16".
-      name="adamw", state_dtype="float32"))
+  c.optimizer.warmup_steps = 100
 
   c.data = ml_collections.ConfigDict(dict(
       train="", weights="", eval="", eval_fraction=0.0, tokenizer="bytes",
       **LAYOUTS[variant], overflow="truncate_left", seed=1, num_threads=1, prefetch=4))
 
-  # Sampler (report Table 2 defaults); the budget is the layout's K canvases.
-  c.sampler = ml_collections.ConfigDict(dict(
-      max_denoising_steps=48, entropy_bound=0.1, t_max=0.8, t_min=0.4,
-      confidence_threshold=0.005, stability_threshold=1,
-      max_new_tokens=LAYOUTS[variant]["num_canvases"] * CANVAS, mode="diffusion",
-      fused_step=False, top_k=0))
+  # The sampler's budget is the layout's K canvases.
+  c.sampler.max_new_tokens = LAYOUTS[variant]["num_canvases"] * CANVAS
 
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=1000, num_examples=64, batch_size=64, metric="exact", answer_regex="",

@@ -61,7 +61,7 @@ def fail(message: str, code: int = 2):
 def _flag_error_message(e: Exception, argv: list[str]) -> str:
   """One line for an error absl or ml_collections raised while parsing `argv`."""
   if isinstance(e, flags.Error):
-    return str(e).splitlines()[0]
+    return _one_line(e)
   if isinstance(e, (KeyError, AttributeError)):
     # ml_collections reports an unknown override key as AttributeError(KeyError("'key'...")),
     # sometimes followed by a "Did you mean" hint.
@@ -77,8 +77,34 @@ def _flag_error_message(e: Exception, argv: list[str]) -> str:
   return _one_line(e)
 
 
-def parse_flags_or_fail(argv: list[str]) -> list[str]:
-  """Parse absl flags, turning any flag/config-override problem into a one-line error."""
+# {section: {key: raw value}} of the `--SECTION.KEY=VALUE` arguments `run` took out of argv.
+_SECTION_OVERRIDES: dict[str, dict[str, str]] = {}
+
+
+def split_section_overrides(argv: list[str], section: str) -> tuple[list[str], dict[str, str]]:
+  """(argv without its `--SECTION.KEY=VALUE` arguments, {KEY: VALUE} of them)."""
+  prefix, rest, found = f"--{section}.", [], {}
+  for arg in argv:
+    if arg.startswith(prefix):
+      key, eq, value = arg[len(prefix):].partition("=")
+      if not eq or not key:
+        fail(f"{arg!r}: write {prefix}KEY=VALUE")
+      found[key] = value
+    else:
+      rest.append(arg)
+  return rest, found
+
+
+def section_overrides(section: str) -> dict[str, str]:
+  """The `--SECTION.KEY=VALUE` arguments of this command (raw strings; the section types them)."""
+  return dict(_SECTION_OVERRIDES.get(section, {}))
+
+
+def parse_flags_or_fail(argv: list[str], sections: tuple[str, ...] = ()) -> list[str]:
+  """Parse absl flags, turning any flag/config-override problem into a one-line error.
+  `sections`: `--SECTION.KEY=VALUE` arguments kept for `section_overrides`, not absl."""
+  for section in sections:
+    argv, _SECTION_OVERRIDES[section] = split_section_overrides(argv, section)
   try:
     return flags.FLAGS(resolve_config_argv(argv))
   except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
@@ -103,8 +129,9 @@ def parse_config(config_path: str, overrides: list[str]):
 
 
 def _one_line(e: BaseException) -> str:
-  text = str(e).strip().strip('"').splitlines()
-  return (text[0] if text else type(e).__name__)
+  from diffgemma import errors  # local: keep flag parsing light
+
+  return errors.one_line(e)
 
 
 def _in_checkpoint_library(tb) -> bool:
@@ -162,16 +189,17 @@ def _quiet_exit() -> None:
     sys.unraisablehook = lambda unraisable: None
 
 
-def run(main, argv=None):
+def run(main, argv=None, sections: tuple[str, ...] = ()):
   """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2; a run that
-  stopped on purpose, e.g. on a non-finite loss: 3)."""
+  stopped on purpose, e.g. on a non-finite loss: 3). `sections`: config sections the command
+  takes as `--SECTION.KEY=VALUE` (e.g. eval.py's "sampler"; see `section_overrides`)."""
   # local: keep flag parsing light
   from diffgemma import errors
   from diffgemma.io import hf_weights, safetensors_dir, tokenizer
   from diffgemma.model.kernels import platform
   from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
 
-  argv = parse_flags_or_fail(list(sys.argv if argv is None else argv))
+  argv = parse_flags_or_fail(list(sys.argv if argv is None else argv), sections)
   quiet_library_logs()
   user_errors = (UserError, errors.InputError, errors.ConfigError,
                  checkpointing.CheckpointError, hf_weights.WeightMappingError,

@@ -18,3 +18,11 @@ class ConfigError(ValueError):
 class RunStopped(RuntimeError):
   """A run that ended early on purpose (e.g. a non-finite loss): nothing bad was saved; the
   message (one line) says why and where the last good checkpoint is."""
+
+
+def one_line(e: BaseException) -> str:
+  """The one line a user sees for `e`: its message's first line (a KeyError's key without the
+  quotes repr adds), or the exception's type when it has no message."""
+  text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().strip('"')
+  lines = text.splitlines()
+  return lines[0] if lines else type(e).__name__

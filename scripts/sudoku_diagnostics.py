@@ -77,7 +77,7 @@ def checkpoint_steps(workdir: str, requested) -> list[int]:
 
 
 def open_sudoku_run(workdir: str):
-  """The run's config, task and sampler settings (`loaded.Run`, no weights read yet); a one-line
+  """The run's config, task and sampler settings (`runs.Run`, no weights read yet); a one-line
   error unless it is a Sudoku run whose one canvas holds the grid (the probe pairs canvas
   cell i with prompt cell i)."""
   from diffgemma.runs import loaded

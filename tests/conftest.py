@@ -1,7 +1,7 @@
 """Suite-wide setup: a persistent XLA compilation cache shared by every test of one run, and
 XLA's optimisations off.
 
-Many tests build the same tiny programs (a train step per `trainer.train` call, the sampler per
+Many tests build the same tiny programs (a train step per `loop.train` call, the sampler per
 `generate`); each jit of a fresh closure recompiles, and on a 2-core CPU compiles dominate the
 suite's time. The cache is set through the environment before jax is imported, so the CLI
 subprocesses some tests start share it too; it lives in a temporary directory removed at exit,

@@ -57,9 +57,9 @@ def reference_model(seed: int, canvas_length: int, weight_std: float, attn_imple
         p.copy_(weight_std * torch.randn(p.shape, generator=gen))
     buffers = dict(ref.named_buffers())
     for name, b in buffers.items():
-      if name.endswith("layer_scalar") and name.startswith("network.encoder."):
+      if name.endswith("layer_scalar") and name.startswith("model.encoder."):
         b.copy_(LAYER_SCALAR_MIN + LAYER_SCALAR_RANGE * torch.rand(b.shape, generator=gen))
-        buffers["network.decoder.layers." + name.split("layers.")[1]].copy_(b)
+        buffers["model.decoder.layers." + name.split("layers.")[1]].copy_(b)
   return ref
 
 

@@ -161,7 +161,7 @@ def test_bad_input_is_one_line_and_starts_nothing(sweep, tiny_config, tmp_path):
   one_line_error(run("scripts/sweep.py", f"--config={tiny_config}", f"--root={fresh}", "--grid",
                      "optimizer.lrr=1e-3,3e-3"), "unknown config key 'optimizer.lrr'")
   one_line_error(run("scripts/sweep.py", f"--config={tiny_config}", f"--root={fresh}", "--grid",
-                     "network.num_layers=2,2.5"), "network.num_layers=2.5", "int")
+                     "model.num_layers=2,2.5"), "model.num_layers=2.5", "int")
   assert not fresh.exists()
   not_a_run = tmp_path / "empty"
   not_a_run.mkdir()
@@ -176,7 +176,7 @@ def test_bad_input_is_one_line_and_starts_nothing(sweep, tiny_config, tmp_path):
     (["optimizer.lr=1e-3"], ["optimizer.lr=1e-2"], "both --grid and --set"),
     (["optimizer.lr=1e-3,1e-3"], [], "appears twice"),
     (["optimizer.lr"], [], "KEY=VALUES"),
-    (["network.vocab_size=8"], [], "vocab_size"),  # parses, but train.py would refuse it
+    (["model.vocab_size=8"], [], "vocab_size"),  # parses, but train.py would refuse it
 ])
 def test_sweep_plan_rejects(tiny_config, tmp_path, grid, sets, needle):
   from diffgemma import cli

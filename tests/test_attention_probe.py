@@ -12,7 +12,7 @@ ENCODED_LEN = 12  # cache slots the decoder reads in the decoder test
 
 
 def test_recorded_probabilities_reproduce_attend():
-  """probs @ v (kv heads shared by groups of query heads) equals network.attend's output, and
+  """probs @ v (kv heads shared by groups of query heads) equals model.attend's output, and
   the probabilities are a softmax over the visible keys only."""
   b, t, s, h, kv, d = 2, 5, 7, 4, 2, 8
   keys = jax.random.split(jax.random.PRNGKey(0), 4)

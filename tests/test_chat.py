@@ -14,34 +14,12 @@ import pytest
 from transformers import AutoTokenizer, GemmaTokenizer
 from transformers.utils import chat_template_utils
 
-from configs import sft_chat
 from diffgemma.io import chat_template
 from diffgemma.io import tokenizer as tokenizer_lib
 from diffgemma.tasks import make_task
-from tests.test_tokenizer import write_sentencepiece, write_tokenizer_json
+from tests.helpers import write_sentencepiece, write_tokenizer_json
+from tests.helpers import GEMMA_LIKE_TEMPLATE, write_jsonl, chat, make_config
 
-# A Gemma-like template exercising what transformers' environment provides: a system turn,
-# namespace, loop controls, raise_exception, tojson, a {% generation %} block, trim_blocks /
-# lstrip_blocks (the indented block tags), a model-specific special token variable.
-GEMMA_LIKE_TEMPLATE = """{{ bos_token }}
-{%- set ns = namespace(users=0) -%}
-{%- for message in messages -%}
-  {%- if message['role'] not in ['system', 'user', 'assistant'] -%}
-    {{ raise_exception('unknown role ' + message['role']) }}
-  {%- endif -%}
-  {%- if message['role'] == 'user' %}{% set ns.users = ns.users + 1 %}{% endif -%}
-  {%- if message.get('skip') %}{% continue %}{% endif %}
-<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}
-{% if message['role'] == 'assistant' %}
-{% generation %}{{ message['content'] | trim }}{% endgeneration %}
-{% else %}
-{{ message['content'] | trim }}{% if message.get('meta') %} {{ message['meta'] | tojson }}{% endif %}
-{% endif %}
-{{ '<turn|>' }}
-{%- endfor %}
-{% if add_generation_prompt %}
-<|turn>model
-{{ sot_token if false else '' }}{% endif %}"""
 
 CONVERSATIONS = {
     "one user turn": [{"role": "user", "content": " hello world "}],
@@ -133,25 +111,10 @@ def test_bytes_tokenizer():
 # ----------------------------------------------------------------------------- the task
 
 
-def write_jsonl(path, records):
-  with open(path, "w") as f:
-    for r in records:
-      f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-  return str(path)
 
 
-def chat(user, reply, system=None):
-  msgs = ([{"role": "system", "content": system}] if system else [])
-  return {"messages": msgs + [{"role": "user", "content": user},
-                              {"role": "assistant", "content": reply}]}
 
 
-def make_config(train="", canvas_length=4, **data):
-  c = sft_chat.get_config()
-  c.model.canvas_length = canvas_length
-  c.data.train = train
-  c.data.update(data)
-  return c
 
 
 # Byte-template overhead of one user turn: <bos><|turn>user\n ... <turn|>\n<|turn>model\n

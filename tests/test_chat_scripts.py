@@ -2,22 +2,16 @@
 GSM8K and PubMedQA converters, and show_examples (text, --json, one-line errors). The scripts'
 functions run in this process; one command line each checks the wiring."""
 
-import importlib.util
 import json
-import os
 import re
 
 import pytest
 
 from diffgemma import cli
-from tests.test_cli import ROOT, one_line_error, run
+from tests.helpers import one_line_error, run
+from tests.helpers import load_script
 
 
-def load_script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", name + ".py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def read_jsonl(path):

@@ -9,8 +9,8 @@ from diffgemma.model import network
 from diffgemma.model.config import ModelConfig
 from diffgemma.tasks import make_task
 from diffgemma.training import diffusion
-from tests.test_chat import chat, make_config, write_jsonl
-from tests.test_chat_scripts import load_script
+from tests.helpers import chat, make_config, write_jsonl
+from tests.helpers import load_script
 
 diag = load_script("chat_stop_diagnostics")
 

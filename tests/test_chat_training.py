@@ -2,6 +2,7 @@
 its own tokenizer and chat template) fine-tuned on a JSONL file, then evaluated, sampled, and
 used as the start of an SD·RL run whose reward is a user function."""
 
+import dataclasses
 import json
 import os
 
@@ -12,9 +13,10 @@ from diffgemma.io import model_dirs
 from diffgemma.model import network
 from diffgemma.model.config import tiny
 from diffgemma.runs import checkpointing
-from tests.test_chat import GEMMA_LIKE_TEMPLATE, chat, write_jsonl
-from tests.test_cli import run
-from tests.test_tokenizer import write_tokenizer_json
+from diffgemma.sampling import sampler
+from tests.helpers import GEMMA_LIKE_TEMPLATE, chat, write_jsonl
+from tests.helpers import run
+from tests.helpers import write_tokenizer_json
 
 STEPS = ["--config.num_train_steps=2", "--config.log_every=1", "--config.checkpoint_every=2",
          "--config.optimizer.warmup_steps=1", "--config.batch_size=4",
@@ -60,6 +62,21 @@ def test_fine_tune_a_transformers_checkpoint_on_chat_jsonl_then_eval_and_sdrl(tm
   with open(metrics["predictions"]) as f:
     records = [json.loads(line) for line in f]
   assert [r_["reference"] for r_ in records] == ["the lazy dog", "the quick fox", "the lazy dog"]
+  assert metrics["headline_metric"] == "accuracy" and metrics["sampler_overrides"] == {}
+
+  # Any sampler key from the command line: one denoising step per canvas accepts the whole
+  # canvas at once, so TPF is the canvas length (8) and steps per canvas exactly 1.
+  r = run("eval.py", f"--workdir={workdir}", f"--data={data}", "--limit=3",
+          "--sampler.max_denoising_steps=1", "--sampler.stability_threshold=0")
+  assert r.returncode == 0, r.stderr[-3000:]
+  one_step = json.loads(r.stdout.strip().splitlines()[-1])
+  assert one_step["sampler_overrides"] == {"max_denoising_steps": 1, "stability_threshold": 0}
+  assert one_step["steps_per_canvas"] == 1.0
+  assert one_step["tokens_per_forward"] >= metrics["tokens_per_forward"]
+  r = run("eval.py", f"--workdir={workdir}", f"--data={data}", "--sampler.entropy=1")
+  assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+      "error: unknown sampler key 'entropy'; choose one of "
+      f"{tuple(f.name for f in dataclasses.fields(sampler.SamplerConfig))}"], r.stderr
 
   # SD·RL from the SFT workdir: its tokenizer is found through the run's init_from; the reward
   # is a function the user names in the config.

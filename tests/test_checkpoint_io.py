@@ -133,7 +133,7 @@ print("ok")
 
 
 def test_import_splits_tensors_across_two_devices(saved_reference):
-  from tests.test_cli import run
+  from tests.helpers import run
 
   r = run("-c", _TWO_DEVICE_IMPORT, saved_reference[1])
   assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
@@ -156,7 +156,7 @@ def test_gemma4_import_loads_every_backbone_tensor(tmp_path):
       leaf = leaf[k]
     if is_backbone:
       np.testing.assert_array_equal(layout.to_hf(np.asarray(leaf)),
-                                    state["network.language_model." + name])
+                                    state["model.language_model." + name])
   expected_sc = network.init_self_conditioning(cfg, jax.random.PRNGKey(9))
   assert _leaves_equal(params["self_conditioning"], expected_sc)
   # The imported backbone, run as our causal encoder, is the Gemma 4 AR model.
@@ -209,13 +209,13 @@ def test_unknown_tensor_is_named(saved_reference, tmp_path):
   index = json.load(open(index_path))
   extra = np.ones((3,), np.float32)
   (tmp_path / "extra").mkdir()
-  safetensors_dir.write_dir([("network.decoder.mystery.weight", extra.shape, extra.dtype,
+  safetensors_dir.write_dir([("model.decoder.mystery.weight", extra.shape, extra.dtype,
                              lambda: extra)], str(tmp_path / "extra"))
   os.rename(str(tmp_path / "extra" / safetensors_dir.SINGLE_FILE),
             os.path.join(path, "model-extra.safetensors"))
-  index["weight_map"]["network.decoder.mystery.weight"] = "model-extra.safetensors"
+  index["weight_map"]["model.decoder.mystery.weight"] = "model-extra.safetensors"
   json.dump(index, open(index_path, "w"))
-  with pytest.raises(hf_weights.WeightMappingError, match="unexpected tensor 'network.decoder.mystery"):
+  with pytest.raises(hf_weights.WeightMappingError, match="unexpected tensor 'model.decoder.mystery"):
     model_dirs.load_model(path, log=lambda _: None)
 
 
@@ -255,8 +255,8 @@ def test_failed_or_refused_writes_leave_nothing(saved_reference, tmp_path, monke
 def test_convert_cli_and_init_from_a_converted_run(tmp_path):
   from diffgemma.runs import checkpointing, training_state, loaded
   from diffgemma.training import loop
-  from tests.test_cli import one_line_error, run
-  from tests.test_training import tiny_sudoku_config
+  from tests.helpers import one_line_error, run
+  from tests.helpers import tiny_sudoku_config
 
   config = tiny_sudoku_config(workdir_steps=2)
   source_run = str(tmp_path / "run")
@@ -331,7 +331,7 @@ def _record_restored_leaves(monkeypatch) -> list[str]:
 def test_eval_of_a_full_fine_tuning_workdir_reads_no_optimizer_state(tmp_path, monkeypatch):
   from diffgemma.runs import training_state, loaded
   from diffgemma.training import loop
-  from tests.test_training import tiny_sudoku_config
+  from tests.helpers import tiny_sudoku_config
 
   workdir = str(tmp_path / "full")
   loop.train(tiny_sudoku_config(workdir_steps=2), workdir)

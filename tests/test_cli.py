@@ -1,28 +1,15 @@
 """The command-line contract: bad input ends with a one-line error naming the problem."""
 
 import os
-import subprocess
-import sys
 
 
 from diffgemma.tasks import sudoku_puzzles as sudoku
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(*args, cwd=ROOT, env=None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
-  return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
-                        env=env, timeout=300)
+from tests.helpers import run, one_line_error
 
 
-def one_line_error(result, *needles):
-  assert result.returncode == 2, result.stderr
-  lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
-  assert len(lines) == 1, result.stderr
-  assert lines[0].startswith("error: ")
-  for needle in needles:
-    assert needle in lines[0], lines[0]
+
+
+
 
 
 def test_unknown_config_key(tmp_path):

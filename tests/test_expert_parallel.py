@@ -2,7 +2,7 @@
 devices in a subprocess: the MoE layer (values and gradients, LoRA experts, a batch too small
 to split), and the whole model's SFT loss and gradients."""
 
-from tests.test_cli import run
+from tests.helpers import run
 
 _PRELUDE = """
 import os, sys
@@ -14,7 +14,8 @@ from diffgemma.model.config import tiny
 from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
 from diffgemma.training import update_step
-from tests.test_training import tiny_sudoku_config
+from diffgemma.training.stages import sft
+from tests.helpers import tiny_sudoku_config
 
 # Tolerances: float32 throughout; the two programs add the same products in different orders.
 VALUE_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -26,7 +27,7 @@ def close(a, b, tol):
 _LAYER = _PRELUDE + """
 cfg = tiny(num_experts=8, top_k_experts=3, moe_impl="tiled", moe_tile_size=4)
 ep_cfg = cfg.replace(moe_impl="expert_parallel")
-layer = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]
+layer = model.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]
 shard_cfg = sharding.ShardingConfig(fsdp=2, rules={"experts": "fsdp"})
 mesh = sharding.make_mesh(shard_cfg)
 
@@ -46,10 +47,10 @@ def layer_grads(x, weights, index, experts, parallel, wrap=None):
     e = experts if wrap is None else wrap(experts)
     if parallel:
       with sharding.activation_rules(mesh, shard_cfg.rules):
-        y = network.moe_expert_parallel(x, weights, index, e, ep_cfg)
+        y = model.moe_expert_parallel(x, weights, index, e, ep_cfg)
     else:
       flat = lambda a: a.reshape(-1, a.shape[-1])
-      y = network.moe(flat(x), flat(weights), flat(index), e, cfg).reshape(x.shape)
+      y = model.moe(flat(x), flat(weights), flat(index), e, cfg).reshape(x.shape)
     return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
   if parallel:
     experts = jax.device_put(experts, sharding.tree_shardings(experts, mesh, shard_cfg.rules))
@@ -83,7 +84,7 @@ print("lora ok")
 try:
   bad = sharding.ShardingConfig(fsdp=2)  # default rules: experts on "expert", embed on fsdp
   with sharding.activation_rules(sharding.make_mesh(bad), bad.rules):
-    jax.eval_shape(lambda: network.moe_expert_parallel(x, weights, index, layer["experts"], ep_cfg))
+    jax.eval_shape(lambda: model.moe_expert_parallel(x, weights, index, layer["experts"], ep_cfg))
   raise SystemExit("no error")
 except ValueError as e:
   assert "rules.experts" in str(e), e
@@ -99,7 +100,7 @@ def loss_and_grads(moe_impl, rules):  # the SFT loss and its gradients, sharded 
   target = training_state.abstract_state(config, setup)
   params = jax.device_put(training_state.init_state(config, setup)["params"],
                           jax.tree_util.tree_map(lambda x: x.sharding, target["params"]))
-  stage = update_step.SftStage(config, make_task(config), setup)
+  stage = sft.SftStage(config, make_task(config), setup)
   stage.start(None, None, 0, None)
   batch, _ = stage.next_batch(0, None, None)
   batch = sharding.global_batch(batch, setup.mesh, setup.rules)

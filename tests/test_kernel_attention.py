@@ -1,4 +1,4 @@
-"""Pallas canvas attention (interpret mode) against network.attend + attention_mask.attention_mask.
+"""Pallas canvas attention (interpret mode) against model.attend + attention_mask.attention_mask.
 
 Tolerances, forward and gradients w.r.t. q, k, v (max error relative to the largest entry):
   float32:  max |ours - ref| <= 1e-5 * max(1, max |ref|)  (observed <= 7.2e-7 absolute)
@@ -66,7 +66,7 @@ CASES = {
 
 
 def make_inputs(case: Case, seed: int = 0):
-  """Random q, k, v and the mask ingredients, built the way network.encode / network.decode do."""
+  """Random q, k, v and the mask ingredients, built the way model.encode / model.decode do."""
   rng = np.random.default_rng(seed)
   b, t = case.batch, case.length
   left_pad = np.asarray(case.left_pad or (0,) * b)[:, None]

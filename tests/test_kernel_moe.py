@@ -139,7 +139,7 @@ def test_tile_schedule_never_straddles_experts_and_skips_empty_ones():
 
 
 def test_model_moe_pallas_equals_tiled():
-  """network.moe with moe_impl="pallas" (route -> sort -> Pallas expert MLP -> scatter-add)
+  """model.moe with moe_impl="pallas" (route -> sort -> Pallas expert MLP -> scatter-add)
   equals moe_impl="tiled": outputs and gradients."""
   cfg = tiny(moe_impl="tiled", moe_tile_size=8)
   d, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size

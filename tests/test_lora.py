@@ -12,8 +12,8 @@ from diffgemma.model import lora, network, sharding
 from diffgemma.model.config import tiny
 from diffgemma.runs import checkpointing, training_state
 from diffgemma.training import loop
-from tests.test_cli import run
-from tests.test_training import tiny_sudoku_config
+from tests.helpers import run
+from tests.helpers import tiny_sudoku_config
 
 CFG = tiny(moe_impl="ragged_dot")
 
@@ -214,7 +214,8 @@ from diffgemma.model import sharding
 from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
 from diffgemma.training import update_step
-from tests.test_training import tiny_sudoku_config
+from diffgemma.training.stages import sft
+from tests.helpers import tiny_sudoku_config
 
 def losses(fsdp, tensor, lora_base=None):
   config = tiny_sudoku_config(workdir_steps=5)
@@ -225,7 +226,7 @@ def losses(fsdp, tensor, lora_base=None):
   state = training_state.init_state(config, setup)
   target = training_state.abstract_state(config, setup)
   state = jax.device_put(state, jax.tree_util.tree_map(lambda x: x.sharding, target))
-  stage = update_step.SftStage(config, make_task(config), setup)
+  stage = sft.SftStage(config, make_task(config), setup)
   step = update_step.make_update_step(setup, stage.loss_fn,
                                   jax.tree_util.tree_map(lambda x: x.sharding, target), None,
                                   update_step.batch_shardings(setup, stage.batch_shapes()))

@@ -1,6 +1,6 @@
 """Finite-or-stop: a non-finite loss never reaches a checkpoint (the training CLI, end to end).
 
-The update step's test hook (update_step.INJECT_NONFINITE_ENV) makes one chosen step's loss NaN."""
+The update step's test hook (trainer.INJECT_NONFINITE_ENV) makes one chosen step's loss NaN."""
 
 import os
 
@@ -9,7 +9,7 @@ import numpy as np
 
 from diffgemma.runs import checkpointing, training_state
 from diffgemma.training import update_step
-from tests.test_cli import run
+from tests.helpers import run
 
 TINY = ["--config=sft_sudoku", "--config.model.vocab_size=16", "--config.model.hidden_size=16",
         "--config.model.intermediate_size=24", "--config.model.num_layers=2",

@@ -26,8 +26,8 @@ import pytest
 from diffgemma.runs import checkpointing, resume_config, guard, training_state, workdir_lock
 from diffgemma.tasks import sudoku_puzzles as sudoku
 from diffgemma.training import loop
-from tests.test_cli import ROOT, one_line_error, run
-from tests.test_training import tiny_sudoku_config
+from tests.helpers import ROOT, one_line_error, run
+from tests.helpers import tiny_sudoku_config
 
 STEPS, EVERY = 8, 2
 TINY_CONFIG = "--config=tests/tiny_sudoku_config.py"
@@ -53,14 +53,17 @@ def final_state(workdir):
   return state, step
 
 
-def assert_bitwise_equal(workdir, reference_dir):
+def assert_bitwise_equal(workdir, reference_dir, note=""):
+  """`note` is appended to every assertion message (e.g. a seed and the rerun command)."""
   state, step = final_state(workdir)
   expected, expected_step = final_state(reference_dir)
-  assert step == expected_step == STEPS
+  assert step == expected_step == STEPS, f"steps {step}, {expected_step} != {STEPS}{note}"
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  for (path, a), b in zip(flat, jax.tree_util.tree_leaves(expected)):
+  leaves = jax.tree_util.tree_leaves(expected)
+  assert len(flat) == len(leaves), f"{len(flat)} leaves vs {len(leaves)}{note}"
+  for (path, a), b in zip(flat, leaves):
     a, b = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
-    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), jax.tree_util.keystr(path)
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), jax.tree_util.keystr(path) + note
 
 
 def copy_run(reference_dir, dest):
@@ -83,7 +86,7 @@ def start(cmd, log_path, **popen):
 # lock within a fraction of a second of the go, while the first trainer is still busy.
 PRELOADED = """
 import os, runpy, sys, time
-import jax, diffgemma.training.stages.sdrl, diffgemma.training.update_step, tests.test_training
+import jax, diffgemma.training.stages.sdrl, diffgemma.training.update_step, tests.helpers
 go, sys.argv = sys.argv[1], sys.argv[2:]
 while not os.path.exists(go):
   time.sleep(0.005)
@@ -473,10 +476,39 @@ def _run_until_killed(workdir, log_path, rng, write_of_step=None):
     log.close()
 
 
+SEED_ENV = "DIFFGEMMA_TEST_SEED"
+KILL_TEST = "tests/test_reliability.py::test_sigkill_at_random_moments_then_rerun_is_bitwise_equal"
+
+
+def draw_seed(environ=os.environ) -> int:
+  """The kill test's seed: $DIFFGEMMA_TEST_SEED if set (to rerun a failure), else a fresh one
+  from the OS."""
+  value = environ.get(SEED_ENV, "").strip()
+  if value:
+    return int(value)
+  return random.SystemRandom().randrange(2**32)
+
+
+def seed_note(seed: int) -> str:
+  """What every assertion of the kill test appends: its seed and the command rerunning it."""
+  return (f" [seed {seed}; rerun: {SEED_ENV}={seed} python -m pytest -q -n 0 "
+          f"{KILL_TEST}]")
+
+
+def test_draw_seed_takes_the_environment_else_the_os():
+  assert draw_seed({SEED_ENV: "12345"}) == 12345
+  assert draw_seed({SEED_ENV: " 7 "}) == 7
+  drawn = {draw_seed({}) for _ in range(8)}  # 8 draws of 2**32 values: a repeat ~7e-9
+  assert len(drawn) == 8 and all(0 <= s < 2**32 for s in drawn), drawn
+  assert "DIFFGEMMA_TEST_SEED=99 python -m pytest" in seed_note(99) and KILL_TEST in seed_note(99)
+
+
 def test_sigkill_at_random_moments_then_rerun_is_bitwise_equal(reference, tmp_path):
   """Kills inside the write of a random step (not the first, so a rerun resumes from a
-  checkpoint), at a random moment of the next run, and inside the next run's next write."""
-  seed = random.SystemRandom().randrange(2**32)
+  checkpoint), at a random moment of the next run, and inside the next run's next write. The
+  seed is drawn once (draw_seed); every assertion names it and the command that reruns it."""
+  seed = draw_seed()
+  note = seed_note(seed)
   rng = random.Random(seed)
   workdir = str(tmp_path / "run")
   kills, killed_last = [], False
@@ -490,16 +522,19 @@ def test_sigkill_at_random_moments_then_rerun_is_bitwise_equal(reference, tmp_pa
     if outcome is None:
       break
     kills.append((target, outcome, checkpointing.latest_step(workdir)))
-  print(f"kills (write of step or None, landed inside a write, latest step after; seed "
-        f"{seed}): {kills}")
-  assert any(landed for _, landed, _ in kills), f"no kill inside a write (seed {seed}): {kills}"
-  assert kills[0][2] is not None, f"the first kill left no checkpoint (seed {seed}): {kills}"
+  print(f"kills (write of step or None, landed inside a write, latest step after): {kills}"
+        f"{note}")
+  assert kills, f"the first run finished before it could be killed{note}"
+  assert any(landed for _, landed, _ in kills), f"no kill inside a write: {kills}{note}"
+  assert kills[0][2] is not None, f"the first kill left no checkpoint: {kills}{note}"
   proc, log = start(train_cmd(workdir), tmp_path / "final.log")
-  assert proc.wait(timeout=300) == 0, open(tmp_path / "final.log").read()
+  returncode = proc.wait(timeout=300)
   log.close()
   text = open(tmp_path / "final.log").read()
-  assert "Traceback" not in text, text
-  if killed_last:
-    assert "taking over the lock" in text  # a SIGKILLed trainer's lock file is stale
-  assert not _tmp_checkpoints(workdir)  # interrupted writes are cleared
-  assert_bitwise_equal(workdir, reference)
+  assert returncode == 0, f"the final run exited {returncode}{note}\n{text}"
+  assert "Traceback" not in text, f"a traceback in the final run{note}\n{text}"
+  if killed_last:  # a SIGKILLed trainer's lock file is stale
+    assert "taking over the lock" in text, f"the stale lock was not taken over{note}\n{text}"
+  leftover = _tmp_checkpoints(workdir)
+  assert not leftover, f"interrupted writes not cleared: {sorted(leftover)}{note}"
+  assert_bitwise_equal(workdir, reference, note)

@@ -29,7 +29,7 @@ def params():
 def patch_model(monkeypatch):
   """`patch_model(name, fn)` replaces a model function the sampler calls; JAX's trace caches are
   cleared afterwards so no later jit can reuse a program traced with the fake."""
-  yield lambda name, fn: monkeypatch.setattr(sampler.model, name, fn)
+  yield lambda name, fn: monkeypatch.setattr(sampler.network, name, fn)
   jax.clear_caches()
 
 

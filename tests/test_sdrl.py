@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import sdrl_sudoku, sft_sudoku
+from configs import sdrl_sudoku
 from diffgemma.io import model_dirs
 from diffgemma.model import lora, network
 from diffgemma.runs import checkpointing, provenance, run_config, training_state
@@ -18,45 +18,11 @@ from diffgemma.tasks import sudoku as data
 from diffgemma.tasks import sudoku_puzzles as sudoku
 from diffgemma.training import diffusion, losses, rewards, loop, update_step
 from diffgemma.training.stages import sdrl
+from tests.helpers import tiny_configs, save_sft_run
 
 
-def tiny_configs():
-  """A tiny SFT config and the SD·RL config on top of it (same model, tiny sampler budgets)."""
-  sft = sft_sudoku.get_config()
-  sft.model.update({
-      "vocab_size": 16, "hidden_size": 16, "intermediate_size": 24, "num_layers": 2,
-      "num_heads": 2, "num_kv_heads": 1, "head_dim": 8, "global_head_dim": 8,
-      "num_global_kv_heads": 1, "num_experts": 4, "top_k_experts": 2,
-      "moe_intermediate_size": 8, "moe_impl": "ragged_dot", "layer_types": (),
-      "canvas_length": 27})  # three canvases per solution
-  sft.data.update({"prompt_format": "digits", "num_threads": 0})
-  sft.eval.every_steps = 0
-  config = sdrl_sudoku.get_config()
-  config.update({key: sft[key] for key in ("model", "data", "eval")})
-  config.update({"num_train_steps": 4, "checkpoint_every": 2, "log_every": 1})
-  config.optimizer.warmup_steps = 1
-  config.sdrl.update({"group_size": 2, "prompts_per_rollout": 2, "updates_per_rollout": 2,
-                      "states_per_trajectory": 2, "anchor": "none"})
-  config.sdrl.reward.partial_credit = "cells"
-  # Stop on a stable argmax alone (threshold above log V), so rows stop at different steps.
-  config.sdrl.rollout_sampler.update({"max_denoising_steps": 4, "confidence_threshold": 100.0})
-  config.sdrl.prompts.update({"min_givens": 44, "max_givens": 46})
-  return sft, config
 
 
-def save_sft_run(sft, workdir):
-  """A saved SFT run at step 0 (trainer layout: config.json + an orbax state checkpoint).
-
-  The default (small) init: a large-weight random model is chaotic along a trajectory (float
-  rounding differences between two compiled programs grow into flipped expert choices and
-  argmaxes within a few steps), so the replay checks need a tame one, as a trained model is.
-  """
-  setup = training_state.make_setup(sft)
-  params = network.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
-  checkpointing.save_config(workdir, sft)
-  with checkpointing.manager(workdir) as mngr:
-    checkpointing.save(mngr, 0, training_state.init_state(sft, setup, params))
-  return params
 
 
 # The loop test's model (two layers: one sliding, one full) for every test: one set of programs.
@@ -527,7 +493,7 @@ sys.path.insert(0, os.getcwd())
 import jax, numpy as np
 from diffgemma.runs import training_state
 from diffgemma.training import loop
-from tests.test_sdrl import save_sft_run, tiny_configs
+from tests.helpers import save_sft_run, tiny_configs
 
 root = sys.argv[1]
 sft, config = tiny_configs()
@@ -558,7 +524,7 @@ def test_sdrl_on_two_devices_matches_one_device(tmp_path):
 
 def test_dry_run_plans_the_rollout_and_the_update_on_two_devices():
   """`train.py --dry_run` of an SD·RL config compiles both of its programs on a simulated mesh."""
-  from tests.test_cli import run
+  from tests.helpers import run
   r = run("train.py", "--config=sdrl_sudoku", "--dry_run", "--dry_run_devices=2",
           "--config.model.num_layers=2", "--config.model.layer_types=()")
   assert r.returncode == 0, r.stderr[-3000:]

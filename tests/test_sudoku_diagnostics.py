@@ -11,8 +11,8 @@ from diffgemma.model import network
 from diffgemma.runs import checkpointing, training_state
 from diffgemma.tasks import sudoku
 from diffgemma.training import loop
-from tests.test_chat_scripts import load_script
-from tests.test_training import tiny_sudoku_config
+from tests.helpers import load_script
+from tests.helpers import tiny_sudoku_config
 
 TRAIN_STEPS = 4
 CHECKPOINT_EVERY = 2  # checkpoints at steps 2 and 4

@@ -5,7 +5,6 @@ Each test builds its tokenizer: a Gemma-like BPE `tokenizer.json` (the `tokenize
 tiny SentencePiece model, with Gemma's special ids (<pad> 0, <eos> 1, <bos> 2) and turn markers.
 """
 
-import io
 import json
 import os
 import re
@@ -14,17 +13,12 @@ import subprocess
 import sys
 
 import pytest
-import sentencepiece
-import tokenizers
-from tokenizers import decoders, normalizers, trainers
 from transformers import AutoTokenizer, GemmaTokenizer
 
 from diffgemma.io import tokenizer as tokenizer_lib
-from tests.test_cli import ROOT, one_line_error
+from tests.helpers import ROOT, one_line_error
+from tests.helpers import SPECIALS, write_tokenizer_json, write_sentencepiece  # noqa: F401 (re-exported)
 
-CORPUS = ["the quick brown fox jumps over the lazy dog\n", "hello world, how are you?\n",
-          "user\nmodel\nthought\n", "a block diffusion model denoises a canvas of tokens\n"]
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"]
 TEXT = "hello world, the lazy fox"
 
 # Gemma 4's generation prompt, written as its templates write it (the 26B-A4B's adds the empty
@@ -46,47 +40,8 @@ GEMMA3_TEMPLATE = (
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
-def write_tokenizer_json(directory, vocab_size=64, specials=SPECIALS, template=None,
-                         config_extra=None):
-  """A Gemma-like BPE tokenizer.json (normalizer ' ' -> '▁', Gemma's decoder) of exactly
-  `vocab_size` ids, plus tokenizer_config.json and, if given, chat_template.jinja."""
-  os.makedirs(directory, exist_ok=True)
-  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-  tok.normalizer = normalizers.Replace(" ", "▁")
-  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                   decoders.Fuse()])
-  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab_size,
-                                                      special_tokens=specials,
-                                                      show_progress=False))
-  assert tok.get_vocab_size() == vocab_size
-  tok.save(os.path.join(directory, "tokenizer.json"))
-  config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>",
-            "pad_token": "<pad>", "unk_token": "<unk>", **(config_extra or {})}
-  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump(config, f)
-  if template is not None:
-    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
-      f.write(template)
-  return directory
 
 
-def write_sentencepiece(directory, template=None):
-  """A tiny SentencePiece BPE model with Gemma's trainer settings and special ids."""
-  os.makedirs(directory, exist_ok=True)
-  model = io.BytesIO()
-  sentencepiece.SentencePieceTrainer.train(
-      sentence_iterator=iter(CORPUS * 3), model_writer=model, vocab_size=90, model_type="bpe",
-      pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
-      bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=SPECIALS[4:],
-      add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity",
-      split_digits=True, allow_whitespace_only_pieces=True, character_coverage=1.0,
-      hard_vocab_limit=False, minloglevel=2)
-  with open(os.path.join(directory, "tokenizer.model"), "wb") as f:
-    f.write(model.getvalue())
-  if template is not None:
-    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
-      f.write(template)
-  return directory
 
 
 def reference_chat_ids(hf_tokenizer, text):

@@ -14,24 +14,9 @@ from diffgemma.runs import provenance, training_state
 from diffgemma.tasks import Layout
 from diffgemma.tasks import sudoku as data
 from diffgemma.training import diffusion, losses, loop
-from configs import sft_sudoku
+from tests.helpers import tiny_sudoku_config
 
 
-def tiny_sudoku_config(workdir_steps=4):
-  config = sft_sudoku.get_config()
-  config.model.update(dict(
-      vocab_size=16, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
-      num_kv_heads=1, head_dim=8, global_head_dim=8, num_global_kv_heads=1, num_experts=4,
-      top_k_experts=2, moe_intermediate_size=8, moe_tile_size=8, layer_types=()))
-  config.data.prompt_format = "digits"
-  config.data.num_threads = 0
-  config.batch_size = 4
-  config.num_train_steps = workdir_steps
-  config.log_every = 1
-  config.checkpoint_every = 100
-  config.eval.every_steps = 0
-  config.optimizer.warmup_steps = 1
-  return config
 
 
 @pytest.mark.parametrize("schedule", diffusion.SCHEDULES)

@@ -3,7 +3,7 @@
   python train.py --config=tests/tiny_sudoku_config.py --workdir=DIR [--config.KEY=VALUE ...]
 """
 
-from tests.test_training import tiny_sudoku_config
+from tests.helpers import tiny_sudoku_config
 
 
 def get_config():

@@ -6,7 +6,7 @@ table (`_layer_table`), so a tensor cannot be renamed on one side only.
 transformers stores linear weights as [out, in]. A DiffusionGemma checkpoint holds the shared
 backbone once, under the encoder or the decoder prefix (the other copy is tied; `save_pretrained`
 writes the decoder's), plus the decoder-only self-conditioning block. A Gemma 4 checkpoint holds
-the same backbone under `network.language_model.` (multimodal) or `model.` (text only).
+the same backbone under `model.language_model.` (multimodal) or `model.` (text only).
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import numpy as np
 
 from diffgemma.model.config import FULL, SLIDING, ModelConfig
 
-ENCODER = "network.encoder.language_model."
-DECODER = "network.decoder."
+ENCODER = "model.encoder.language_model."
+DECODER = "model.decoder."
 SELF_CONDITIONING = DECODER + "self_conditioning."
-GEMMA4_PREFIXES = ("network.language_model.", "model.")
+GEMMA4_PREFIXES = ("model.language_model.", "model.")
 DIFFUSION_GEMMA = "diffusion_gemma"
 GEMMA4 = "gemma4"
 # Towers of the multimodal checkpoints: not part of the text model, skipped with a note.
-NON_TEXT_PREFIXES = ("network.encoder.vision_tower.", "network.encoder.embed_vision.",
-                     "network.vision_tower.", "network.embed_vision.", "network.audio_tower.",
-                     "network.embed_audio.")
+NON_TEXT_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.",
+                     "model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+                     "model.embed_audio.")
 # transformers requires these config keys; our model does not use them (RoPE needs no table).
 HF_MAX_POSITION_EMBEDDINGS = 131_072
 HF_ACTIVATION = "gelu_pytorch_tanh"

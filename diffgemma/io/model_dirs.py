@@ -1,8 +1,8 @@
 """Model checkpoints in and out: transformers directories (DiffusionGemma, Gemma 4) and ours.
 
 Three kinds of directory hold a model:
-  * a transformers checkpoint: `config.json` + `network.safetensors` or sharded
-    `model-*.safetensors` with `network.safetensors.index.json` (DiffusionGemma, or a Gemma 4 AR
+  * a transformers checkpoint: `config.json` + `model.safetensors` or sharded
+    `model-*.safetensors` with `model.safetensors.index.json` (DiffusionGemma, or a Gemma 4 AR
     model whose backbone starts a new diffusion model);
   * an orbax model directory written by `save_orbax` (`config.json` naming our format, plus
     `params/`);

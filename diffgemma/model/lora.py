@@ -3,7 +3,7 @@
 A LoRA run keeps two pytrees: the frozen base parameters and the adapters, a flat dict
 {path: {"a": A, "b": B}} for every targeted weight ("layers.3.attn.q", "layers.0.experts.gate_up",
 "self_conditioning.down", ...). `wrap` puts them together: each targeted leaf becomes a
-`LoraWeight`, which the model's one linear function (`model.linear`, and `model.moe` for the
+`LoraWeight`, which the model's one linear function (`network.linear`, and `network.moe` for the
 stacked experts) computes as
 
     x @ W + (alpha / rank) * (dropout(x) @ A) @ B

@@ -95,4 +95,7 @@ def _task(config, where: str) -> Task:
 
 def _sampler(config, task: Task, overrides) -> sampler.SamplerConfig:
   cfg = run_config.sampler_config(config, task.stop_token_ids)
-  return cfg.replace(**overrides) if overrides else cfg
+  try:
+    return cfg.replace(**overrides) if overrides else cfg
+  except (TypeError, ValueError) as e:
+    raise errors.ConfigError(f"bad sampler override: {e}") from None

@@ -28,7 +28,8 @@ import sys
 RUN_INFO = "run_info.json"
 NUM_TRAIN_STEPS, MAX_TRAIN_MINUTES, STOP_AT = "num_train_steps", "max_train_minutes", "stop_at"
 FINISHED_REASONS = (NUM_TRAIN_STEPS, MAX_TRAIN_MINUTES)
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# diffgemma/runs/provenance.py -> the repository (or the site-packages of an installed copy).
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _GIT_TIMEOUT_S = 10
 
 

@@ -137,7 +137,7 @@ def load_frozen_base(config, setup: Setup):
 
 
 def _load_quantized_base(config, init_from: str, setup: Setup):
-  """QLoRA: the base read into host memory in network.param_dtype, then quantized one weight at a
+  """QLoRA: the base read into host memory in model.param_dtype, then quantized one weight at a
   time onto the mesh (the devices never hold the float base)."""
   try:
     host = jax.local_devices(backend="cpu")[0]

@@ -10,7 +10,7 @@ import importlib
 
 import ml_collections
 
-from diffgemma.tasks.base import Layout, Prompts, Task
+from diffgemma.tasks.base import Layout, Prompts, RlTask, Task
 
 # name -> module defining `from_config(config, training, planning) -> Task`.
 TASKS = {"sudoku": "diffgemma.tasks.sudoku", "chat": "diffgemma.tasks.chat"}
@@ -40,4 +40,4 @@ def make_task(config: ml_collections.ConfigDict, training: bool = True,
       config, training and not planning, planning)
 
 
-__all__ = ["Layout", "Prompts", "Task", "TASKS", "make_task", "task_name", "tokenization_keys"]
+__all__ = ["Layout", "Prompts", "RlTask", "Task", "TASKS", "make_task", "task_name", "tokenization_keys"]

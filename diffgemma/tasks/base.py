@@ -1,5 +1,8 @@
 """The task boundary: what a task hands to the generic trainer, evaluator, sampler and SD·RL.
 
+`Task` is what SFT, evaluation and sampling need; `RlTask` adds SD·RL's rollout prompts and
+rewards, so a task trained only with SFT implements `Task` alone.
+
 A task owns everything that knows what the tokens mean: turning records into fixed-shape
 training sequences, the prompts and references of its held-out sets, the metrics over generated
 replies, SD·RL rollout prompts and rewards, and the checks of its own config section. The
@@ -84,13 +87,16 @@ class Prompts:
 
 
 class Task(abc.ABC):
-  """One task: data, held-out evaluation, SD·RL prompts and rewards, config checks.
+  """One task for SFT, evaluation and sampling: data, held-out metrics, text in and out.
 
   Built by `diffgemma.tasks.make_task(config)` after the model architecture is final (a run
-  started from a checkpoint adopts the checkpoint's canvas length first).
+  started from a checkpoint adopts the checkpoint's canvas length first). A task that SD·RL can
+  train on also implements `RlTask`.
   """
 
   name: str = ""
+  # The metric of `score` that sweeps, comparisons and the periodic eval report first.
+  headline_metric: str = "accuracy"
 
   # ---------------------------------------------------------------- shapes and sampling
 
@@ -199,7 +205,10 @@ class Task(abc.ABC):
   def _token_string(self, token: int) -> str:
     return self.token_strings([token])[0]
 
-  # ---------------------------------------------------------------- SD·RL
+
+
+class RlTask(Task):
+  """A task SD·RL can train on: rollout prompts and a verifier's reward, on top of `Task`."""
 
   @abc.abstractmethod
   def rollout_prompts(self, iteration: int, num_prompts: int) -> Prompts:

@@ -28,10 +28,11 @@ from collections.abc import Callable, Sequence
 import ml_collections
 import numpy as np
 
+from diffgemma import errors
 from diffgemma.io import tokenizer as tokenizer_lib
 from diffgemma.runs import checkpointing
 from diffgemma.tasks import chat_data, text_metrics
-from diffgemma.tasks.base import Layout, Prompts, Task
+from diffgemma.tasks.base import Layout, Prompts, RlTask
 
 DEFAULT_REWARD = "exact"
 # Seed streams of the two index orders drawn from the training split.
@@ -174,14 +175,14 @@ def load_reward_fn(spec: str) -> Callable[[str, str, str], float]:
     module = importlib.import_module(module_name)
   except Exception as e:  # anything the module raises on import
     raise ValueError(f"sdrl.reward_fn: cannot import {module_name}: "
-                     f"{type(e).__name__}: {_first_line(e)}") from None
+                     f"{type(e).__name__}: {errors.one_line(e)}") from None
   fn = getattr(module, name, None)
   if not callable(fn):
     raise ValueError(f"sdrl.reward_fn: {module_name} has no function {name!r}")
   return fn
 
 
-class ChatTask(Task):
+class ChatTask(RlTask):
   """Chat SFT on conversations (see the module docstring).
 
   Beyond `Task`: `tokenizer`, `settings`, `data_report()`, `overflow_counts`, and
@@ -189,6 +190,7 @@ class ChatTask(Task):
   """
 
   name = "chat"
+  headline_metric = "accuracy"
 
   def __init__(self, settings: ChatSettings, tok, layout: Layout):
     self.settings, self.tokenizer, self._layout = settings, tok, layout
@@ -588,7 +590,3 @@ def _floats(value, key: str) -> tuple[float, ...]:
   except (TypeError, ValueError):
     raise ValueError(f"{key} must be a list of numbers, got {value!r}") from None
 
-
-def _first_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return lines[0] if lines else type(e).__name__

@@ -26,7 +26,7 @@ import numpy as np
 
 from diffgemma.tasks import sudoku_puzzles as sudoku
 from diffgemma.tasks import sudoku_traces
-from diffgemma.tasks.base import Layout, Prompts, Task
+from diffgemma.tasks.base import Layout, Prompts, RlTask
 from diffgemma.tasks.sudoku_tokens import (  # noqa: F401 (the task's token helpers)
   PAD,
   EOS,
@@ -241,10 +241,11 @@ class RewardConfig:
 TOKENIZATION_KEYS = ("data.prompt_format",)
 
 
-class SudokuTask(Task):
+class SudokuTask(RlTask):
   """Sudoku solving: one prompt of 81 cells, the 81 digits of the solution as canvases."""
 
   name = "sudoku"
+  headline_metric = "puzzle_accuracy"
 
   def __init__(self, config: ml_collections.ConfigDict):
     data = config.data

@@ -30,7 +30,10 @@ TPF_TAG = "eval/tokens_per_forward"
 LOSS_TAG = "loss"
 THROUGHPUT_TAG = "tokens_per_second"
 HELDOUT_DIR = "eval"  # workdir/eval/NAME.json: eval.py results (sweep.py --eval_data)
-HELDOUT_METRICS = ("puzzle_accuracy", "cell_accuracy", "tokens_per_forward", "steps_per_canvas")
+# Held-out columns: each result's headline metric (eval.py names it), then these when present.
+HELDOUT_METRICS = ("cell_accuracy", "tokens_per_forward", "steps_per_canvas")
+# The headline of a result written before eval.py named it: the first of these it holds.
+LEGACY_HEADLINES = ("puzzle_accuracy", "accuracy")
 # Figure geometry: every panel is PANEL_W_IN x PANEL_H_IN inches at DPI; two rows (against step,
 # against wall-clock minutes), one column per plotted metric, plus one column (both rows) for
 # accuracy against TPF when the runs log both.
@@ -183,7 +186,7 @@ def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
   keys = differing_keys(runs)
   metrics = [t for t in EVAL_METRICS if any(t in run.series for run in runs)]
   heldout = [(name, m) for name in sorted({n for run in runs for n in run.heldout})
-             for m in HELDOUT_METRICS if any(m in run.heldout.get(name, {}) for run in runs)]
+             for m in heldout_metrics(runs, name)]
   header = (["run"] + keys + [f"{t.removeprefix('eval/')} final / best" for t in metrics]
             + [f"{name}: {m}" for name, m in heldout] + ["steps", "minutes", "tokens/s"])
   rows = []
@@ -200,6 +203,21 @@ def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
             "-" if throughput is None else f"{np.median(throughput.value_N):.0f}"]
     rows.append(row)
   return header, rows
+
+
+def headline_metric(result: dict) -> str | None:
+  """The main metric of one eval.py result: the one it names, else the first legacy one."""
+  if result.get("headline_metric"):
+    return result["headline_metric"]
+  return next((m for m in LEGACY_HEADLINES if m in result), None)
+
+
+def heldout_metrics(runs: list[Run], name: str) -> list[str]:
+  """The columns of held-out set `name`: the runs' headline metrics, then HELDOUT_METRICS."""
+  results = [run.heldout[name] for run in runs if name in run.heldout]
+  headlines = [m for m in dict.fromkeys(headline_metric(r) for r in results) if m]
+  return headlines + [m for m in HELDOUT_METRICS
+                      if m not in headlines and any(m in r for r in results)]
 
 
 def _num(x: float) -> str:

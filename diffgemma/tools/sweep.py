@@ -98,7 +98,7 @@ def validate_config(config, name: str, init_from: str | None = None) -> None:
   try:
     loop.prepare_config(config, None, init_from, planning=True)
   except (errors.ConfigError, errors.InputError) as e:
-    raise cli.UserError(f"point {name}: {str(e).strip()}".splitlines()[0]) from None
+    raise cli.UserError(f"point {name}: {errors.one_line(e)}") from None
 
 
 def _value_at(flat: dict, key: str):
@@ -292,7 +292,8 @@ def eval_job(point: Point, data_path: str, limit: int | None) -> Job | None:
     metrics["limit"] = limit
     with open(result, "w") as f:
       json.dump(metrics, f, indent=2)
-    return (f"{os.path.basename(data_path)}: puzzle_accuracy {metrics['puzzle_accuracy']:.3f}, "
-            f"TPF {metrics['tokens_per_forward']:.2f}")
+    headline = compare.headline_metric(metrics)
+    shown = f"{headline} {metrics[headline]:.3f}, " if headline in metrics else ""
+    return f"{os.path.basename(data_path)}: {shown}TPF {metrics['tokens_per_forward']:.2f}"
 
   return Job(f"eval {point.name}", command, stem + ".log", stem + ".out", on_exit)

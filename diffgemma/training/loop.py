@@ -31,24 +31,11 @@ from diffgemma.runs import (
 from diffgemma.sampling import evaluation, sampler
 from diffgemma.tasks import make_task, task_name, tokenization_keys
 from diffgemma.tasks.base import Task
-from diffgemma.training import update_step
+from diffgemma.training import stages, update_step
 
 
 class NonFiniteError(errors.RunStopped):
   """A run stopped on a non-finite loss or gradient norm. One-line message."""
-
-
-def is_sdrl(config: ml_collections.ConfigDict) -> bool:
-  """A config with an `sdrl` section runs the SD·RL stage; any other, SFT."""
-  return "sdrl" in config
-
-
-def make_stage(config, task: Task, setup: training_state.Setup):
-  if is_sdrl(config):
-    from diffgemma.training.stages import sdrl
-
-    return sdrl.SdrlStage(config, task, setup)
-  return update_step.SftStage(config, task, setup)
 
 
 def _adopt_tokenization(config, init_from: str, overridden) -> None:
@@ -99,24 +86,26 @@ def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
       config.init_from = os.path.abspath(init_from)
     training_state.adopt_checkpoint_architecture(config, init_from)
     _adopt_tokenization(config, init_from, overridden)
-  elif is_sdrl(config) and not planning:
+  try:
+    stage_cls = stages.stage_class(config)
+  except ValueError as e:
+    raise errors.ConfigError(f"bad config: {e}") from None
+  if step is None and not init_from and stage_cls.requires_init_from and not planning:
     raise checkpointing.CheckpointError(
-        "SD·RL starts from a trained model: pass --init_from=SFT_WORKDIR (or a checkpoint dir)")
+        f"the {stage_cls.name} stage starts from a trained model: pass "
+        "--init_from=SFT_WORKDIR (or a checkpoint dir)")
   try:
     run_config.validate(config)
     task = make_task(config, planning=planning)
     if config.model.vocab_size < task.min_vocab_size:
       raise ValueError(f"model.vocab_size={config.model.vocab_size} is too small for the task "
                        f"(needs {task.min_vocab_size})")
-    if is_sdrl(config):
-      from diffgemma.training.stages import sdrl
-
-      sdrl.validate_config(config)
+    stage_cls.validate_config(config)
   except errors.InputError:
     raise
   except (KeyError, TypeError, ValueError) as e:
     after = " after the resume changes" if changes else ""
-    raise errors.ConfigError(f"bad config{after}: {_one_line(e)}") from None
+    raise errors.ConfigError(f"bad config{after}: {errors.one_line(e)}") from None
   return config, task, step, changes
 
 
@@ -138,11 +127,6 @@ def record_resume_changes(workdir: str, config, changes: dict, step: int) -> Non
   resume_config.record(workdir, step, changes)
 
 
-def _one_line(e: BaseException) -> str:
-  text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().splitlines()
-  return text[0] if text else type(e).__name__
-
-
 def eval_params(state, frozen, lora_cfg: lora.LoraConfig):
   """What the sampler runs: the trained params, or the base wrapped with the adapters."""
   return training_state.model_params(state["params"], frozen, lora_cfg)
@@ -161,7 +145,9 @@ def evaluate_and_log(step, params, task: Task, model_cfg, sampler_cfg, prompts, 
     out = jax.device_get(trace_fn(params, shown.prompt_NxP, shown.valid_NxP,
                                   jax.random.PRNGKey(step)))
     task.log_traces(writer, step, shown, out["trajectory"], rows=range(len(shown)))
-  shown = [f"{k}={v:.3f}" for k, v in metrics.items() if k.endswith("accuracy")]
+  accuracies = sorted((k for k in metrics if k.endswith("accuracy")),
+                      key=lambda k: k != task.headline_metric)  # the task's headline first
+  shown = [f"{k}={metrics[k]:.3f}" for k in accuracies]
   tqdm.write(f"step {step}: eval {' '.join(shown)} TPF={metrics['tokens_per_forward']:.2f} "
              f"steps/canvas={metrics['steps_per_canvas']:.1f}")
   warning = task.plateau_warning(step, metrics)
@@ -226,7 +212,7 @@ def _train(config, task: Task, workdir: str, start_step, changes, init_from, sto
     print(f"resuming {workdir}: --init_from applies only to a new run")
   setup = training_state.make_setup(config)
   train_cfg = setup.train_cfg
-  stage = make_stage(config, task, setup)
+  stage = stages.make_stage(config, task, setup)
   report = task.data_report()
   if report:
     print(report)

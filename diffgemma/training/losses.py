@@ -54,8 +54,8 @@ class LossConfig:
     if not 0.0 <= self.self_conditioning_prob <= 1.0:
       raise ValueError("loss.self_conditioning_prob must be in [0, 1], got "
                        f"{self.self_conditioning_prob}")
-    if not 0.0 <= self.t_eps < 1.0:
-      raise ValueError(f"loss.t_eps must be in [0, 1), got {self.t_eps}")
+    if not 0.0 < self.t_eps < 1.0:  # t = 0 is a clean canvas: nothing to denoise
+      raise ValueError(f"loss.t_eps must be in (0, 1), got {self.t_eps}")
 
   @property
   def uses_encoder_loss(self) -> bool:

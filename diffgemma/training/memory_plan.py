@@ -17,7 +17,7 @@ import numpy as np
 
 from diffgemma.model import quantize
 from diffgemma.runs import training_state
-from diffgemma.training import update_step, loop
+from diffgemma.training import loop, stages, update_step
 
 GIB = 2 ** 30
 
@@ -59,7 +59,7 @@ def training_program(config: ml_collections.ConfigDict, init_from: str | None = 
   architecture is read from that checkpoint's config (no weights read)."""
   config, task, _, _ = loop.prepare_config(config, None, init_from, planning=True)
   setup = training_state.make_setup(config)
-  stage = loop.make_stage(config, task, setup)
+  stage = stages.make_stage(config, task, setup)
   frozen = None
   if setup.uses_lora:
     frozen = training_state.sharded_shapes(training_state.base_params_shape(setup), setup)
@@ -82,9 +82,8 @@ def dry_run(config: ml_collections.ConfigDict, init_from: str | None = None) -> 
   step_fn, (state, frozen, batch), setup, stage = training_program(config, init_from)
   device_memory = setup.train_cfg.device_memory_gib
   programs = {"update step": _memory(*_compile(step_fn, state, frozen, batch), device_memory)}
-  if hasattr(stage, "rollout_program"):
-    fn, args = stage.rollout_program(state, frozen)
-    programs["rollout"] = _memory(*_compile(fn, *args), device_memory)
+  for name, (fn, args) in stage.planned_programs(state, frozen).items():
+    programs[name] = _memory(*_compile(fn, *args), device_memory)
   return {
       "devices": setup.mesh.size, "mesh": dict(setup.mesh.shape), "programs": programs,
       "frozen_params_gib": 0.0 if frozen is None else _bytes_per_device(frozen) / GIB,

@@ -1,18 +1,9 @@
-"""The one update step every training mode shares, and the SFT stage that feeds it.
+"""The one update step every training stage shares.
 
 `make_update_step` turns a loss function into a jitted, sharded optimizer step with gradient
-accumulation, LoRA (adapters trained on a frozen base) and a finite-or-skip guard; SFT
-(`SftStage`) and SD·RL (`diffgemma.training.stages.sdrl.SdrlStage`) each supply a loss and batches, nothing
-else. A stage is what `diffgemma.training.loop.train` runs:
-
-  stage.name                      "sft" | "sdrl"
-  stage.update_stream             None: a step's key is fold_in(rng, step); else the key of
-                                  that stream, fold_in(fold_in(rng, stream), step)
-  stage.loss_fn(params, batch, rng) -> (loss, metrics)   params: what the model runs
-  stage.start(state, frozen, start_step, workdir)        once, before the first batch
-  stage.next_batch(step, state, frozen) -> (batch, host_metrics)
-  stage.batch_shapes()            ShapeDtypeStructs of one global batch (for --dry_run)
-  stage.is_boundary(step)         whether a checkpoint / stop may fall after `step`
+accumulation, LoRA (adapters trained on a frozen base) and a finite-or-skip guard. A stage
+(`diffgemma.training.stages`: the `Stage` protocol, SFT, SD·RL) supplies the loss and the
+batches, nothing else.
 """
 
 from __future__ import annotations
@@ -21,14 +12,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from diffgemma.model import sharding
-from diffgemma.runs import guard
 from diffgemma.runs.training_state import Setup, model_params
-from diffgemma.tasks.base import Task
-from diffgemma.training import losses
 
 # Stream ids folded into a step's key for randomness outside the loss.
 DROPOUT_STREAM = 1
@@ -117,49 +104,3 @@ def batch_shardings(setup: Setup, batch_shapes):
   """Every batch leaf split along its first (batch) axis by the rules."""
   return jax.tree_util.tree_map(
       lambda x: sharding.batch_sharding(setup.mesh, setup.rules, x.shape), batch_shapes)
-
-
-class SftStage:
-  """Supervised fine-tuning: the task's batches and `losses.sft_loss` on its layout."""
-
-  name = "sft"
-  update_stream = None
-
-  def __init__(self, config, task: Task, setup: Setup):
-    self.task, self.setup = task, setup
-    self.batch_size = config.batch_size
-    self.num_steps = config.num_train_steps
-    self.layout = task.layout
-    self._batches = None
-
-  def loss_fn(self, params, batch, rng):
-    return losses.sft_loss(params, self.setup.model_cfg, self.setup.loss_cfg, self.layout,
-                           batch, rng)
-
-  def batch_shapes(self):
-    shape = (self.batch_size, self.layout.seq_len)
-    return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
-            "valid": jax.ShapeDtypeStruct(shape, jnp.bool_),
-            "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
-
-  def start(self, state, frozen, start_step: int, workdir: str):
-    del state, frozen
-    self._workdir = workdir
-    self._batches = self.task.train_batches(self.batch_size, self.num_steps, start_step,
-                                            jax.process_index(), jax.process_count())
-
-  def next_batch(self, step, state, frozen):
-    del state, frozen
-    batch = guard.next_batch(self._batches, step + 1, self._workdir)
-    return {k: np.asarray(v) for k, v in batch.items()}, {}
-
-  def is_boundary(self, step: int) -> bool:
-    del step
-    return True
-
-  def tokens_per_batch(self) -> int:
-    return self.batch_size * self.layout.seq_len
-
-  @staticmethod
-  def progress_fields(metrics):
-    return {"loss": f"{metrics['loss']:.4f}", "acc": f"{metrics['decoder_token_accuracy']:.3f}"}

@@ -1,15 +1,15 @@
 """SD·RL: online sampler distillation + reinforcement learning after SFT, as a training stage.
 
 One rollout (every `updates_per_rollout` steps of the shared training loop):
-  1. G samples per prompt (`Task.rollout_prompts`) from the current parameters with the
+  1. G samples per prompt (`RlTask.rollout_prompts`) from the current parameters with the
      production sampler (`sampler.generate`, jitted, `record_trajectory=True`): every step's
      input canvas and argmax, and which rows ran it;
-  2. rewards from the task's verifier (`Task.reward`), shaped (`rewards.shape`), group-relative
+  2. rewards from the task's verifier (`RlTask.reward`), shaped (`rewards.shape`), group-relative
      advantages A = (r - mean_G) / (std_G + eps) and from them each trajectory's weight;
   3. states: a few steps of each canvas's trajectory (`select_steps`); the self-conditioning
      input the sampler had at each is rebuilt by replaying its decoder steps on the recorded
      canvases (`replay`; the recorder keeps canvases, not the [C, V] self-conditioning logits);
-then `updates_per_rollout` steps of the shared update step (`trainer.make_update_step`: mesh,
+then `updates_per_rollout` steps of the shared update step (`update_step.make_update_step`: mesh,
 LoRA, gradient accumulation, non-finite guard) on the weighted loss: from each state, the
 decoder's CE toward the trajectory's final canvas, times the trajectory's weight
 (`sdrl_loss`), plus an optional anchor.
@@ -42,7 +42,7 @@ from diffgemma.model import network, sharding
 from diffgemma.model.config import ModelConfig
 from diffgemma.runs import guard, training_state
 from diffgemma.sampling import sampler
-from diffgemma.tasks.base import Prompts, Task
+from diffgemma.tasks.base import Prompts, RlTask
 from diffgemma.training import diffusion, losses, rewards
 
 MODES = ("both", "distill", "rl")
@@ -73,7 +73,7 @@ class SdrlConfig:
     of the advantage, so a group whose samples all succeed (A = 0) still distils its
     trajectories toward fewer steps; 0 = the advantage alone.
   cell_weighting: "none" (every target token counts) or "consistent" (only the tokens the
-    task's verifier finds consistent, `Task.token_weights`: e.g. Sudoku's consistent cells).
+    task's verifier finds consistent, `RlTask.token_weights`: e.g. Sudoku's consistent cells).
   anchor: "none"; "kl" KL(reference || model) of the decoder on the trained states, the
     reference being the initial parameters; "sft" the SFT loss on the task's training data
     (`anchor_batch_size` examples per update). Weighted by anchor_weight.
@@ -449,9 +449,14 @@ class SdrlStage:
 
   name = "sdrl"
   update_stream = _UPDATE_STREAM  # the update's randomness: stream_key(rng, this, step)
+  requires_init_from = True
+  validate_config = staticmethod(validate_config)
 
-  def __init__(self, config, task: Task, setup: training_state.Setup):
+  def __init__(self, config, task: RlTask, setup: training_state.Setup):
     validate_config(config)
+    if not isinstance(task, RlTask):
+      raise ValueError(f"the {task.name} task has no rollout prompts or rewards (it is no "
+                       "RlTask): SD·RL cannot train on it; use stage='sft'")
     self.task, self.setup = task, setup
     self.cfg = sdrl_config(config)
     self.rollout_cfg = rollout_sampler_config(config, task.stop_token_ids)
@@ -544,8 +549,8 @@ class SdrlStage:
       batch["anchor"] = {k: np.asarray(v) for k, v in anchor.items()}
     return batch, metrics
 
-  def rollout_program(self, state, frozen):
-    """(jitted program, abstract arguments) of one rollout's sampling, for --dry_run."""
+  def planned_programs(self, state, frozen):
+    """{"rollout": (jitted program, abstract arguments)} of one rollout's sampling."""
     model_cfg, lora_cfg = self.setup.model_cfg, self.setup.lora_cfg
 
     def run(trainable, frozen, prompt_BxP, valid_BxP, rng):
@@ -557,7 +562,7 @@ class SdrlStage:
     args = (state["params"], frozen, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
             jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=rows),
             jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding.replicated(self.setup.mesh)))
-    return jax.jit(run), args
+    return {"rollout": (jax.jit(run), args)}
 
   def batch_shapes(self):
     """Shapes of one update's batch, from the rollout and state programs traced abstractly."""

@@ -1,0 +1,28 @@
+"""Error types shared by the command-line tools and the modules below them."""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+  """Malformed user input (a data file, a puzzle, a prompt): printed as one line, no traceback.
+
+  Task modules raise subclasses of it, so the command-line layer reports them without knowing
+  any task.
+  """
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work (checked before anything is written). One-line message."""
+
+
+class RunStopped(RuntimeError):
+  """A run that ended early on purpose (e.g. a non-finite loss): nothing bad was saved; the
+  message (one line) says why and where the last good checkpoint is."""
+
+
+def one_line(e: BaseException) -> str:
+  """The one line a user sees for `e`: its message's first line (a KeyError's key without the
+  quotes repr adds), or the exception's type when it has no message."""
+  text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().strip('"')
+  lines = text.splitlines()
+  return lines[0] if lines else type(e).__name__

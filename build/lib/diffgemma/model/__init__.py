@@ -1,0 +1,1 @@
+"""The DiffusionGemma network: its config, layers, attention mask, LoRA, quantization, sharding, kernels."""

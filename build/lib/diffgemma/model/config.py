@@ -1,0 +1,129 @@
+"""Model configuration: one frozen dataclass, from a few-hundred-K test model to 26B-A4B.
+
+Field names follow transformers' `DiffusionGemmaTextConfig` where one exists, so a checkpoint's
+`config.json` maps onto this class field by field (see `hf_weights.config_from_hf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+# Gemma 4's default layer pattern: five sliding-window layers, then one full layer.
+SLIDING_PATTERN_PERIOD = 6
+MOE_IMPLS = ("ragged_dot", "tiled", "tiled_scan", "pallas", "expert_parallel")
+ATTENTION_IMPLS = ("xla", "pallas")
+# Fields that say how to compute, not what the model is: a run that starts from a checkpoint
+# takes the architecture from the checkpoint and these from its own config.
+NUMERICS_FIELDS = ("param_dtype", "compute_dtype", "moe_impl", "moe_tile_size", "attention_impl",
+                   "remat")
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+def default_layer_types(num_layers: int) -> tuple[str, ...]:
+  """The reference's pattern: every 6th layer is full, and the last layer is always full."""
+  types = [FULL if (i + 1) % SLIDING_PATTERN_PERIOD == 0 else SLIDING for i in range(num_layers)]
+  types[-1] = FULL
+  return tuple(types)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Sizes and numerics of a DiffusionGemma text model.
+
+  Full ("global") layers use `global_head_dim` and `num_global_kv_heads`, and take their values
+  from the key projection (k_eq_v); sliding layers use `head_dim` and `num_kv_heads`.
+  """
+
+  vocab_size: int = 262_144
+  hidden_size: int = 2816
+  intermediate_size: int = 2112  # dense MLP and self-conditioning MLP
+  num_layers: int = 30
+  num_heads: int = 16
+  num_kv_heads: int = 8
+  head_dim: int = 256
+  global_head_dim: int = 512
+  num_global_kv_heads: int = 2
+  sliding_window: int = 1024
+  layer_types: tuple[str, ...] = ()  # empty: the default 5:1 pattern
+  num_experts: int = 128
+  top_k_experts: int = 8
+  moe_intermediate_size: int = 704
+  rms_norm_eps: float = 1e-6
+  final_logit_softcap: float = 30.0
+  sliding_rope_theta: float = 10_000.0
+  full_rope_theta: float = 1_000_000.0
+  full_rope_partial_factor: float = 0.25  # "proportional" RoPE on full layers
+  pad_token_id: int = 0
+  eos_token_id: int = 1
+  bos_token_id: int = 2
+  canvas_length: int = 256
+  initializer_range: float = 0.02  # std of linear and embedding weights at init
+  # Initial q_norm/k_norm scale. With scaling 1.0 and unit-RMS q and k, attention logits start
+  # with std sqrt(head_dim); d**-0.25 here starts them at std 1 (matters only from scratch).
+  qk_norm_init: float = 1.0
+  param_dtype: str = "float32"
+  compute_dtype: str = "float32"
+  # "tiled": exact, faster on CPU; "tiled_scan": tiles in a loop, least memory; "pallas": the
+  # grouped kernel; "expert_parallel": experts split over devices (model.moe_expert_parallel).
+  moe_impl: str = "ragged_dot"
+  moe_tile_size: int = 128  # rows per tile for moe_impl="tiled"
+  # "xla": a materialised mask and two einsums; "pallas": the flash-style canvas-attention
+  # kernel (diffgemma/model/kernels/attention.py; interpret mode on CPU, slow there).
+  attention_impl: str = "xla"
+  # Activation rematerialisation per layer in training: "none" keeps every activation for the
+  # backward pass; "full" keeps only each layer's input and recomputes the rest; "dots" also
+  # keeps matmul outputs without batch dimensions (jax.checkpoint_policies).
+  remat: str = "none"
+
+  def __post_init__(self):
+    if not self.layer_types:
+      object.__setattr__(self, "layer_types", default_layer_types(self.num_layers))
+    object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if len(self.layer_types) != self.num_layers:
+      raise ValueError(
+          f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}")
+    if self.layer_types[-1] != FULL:
+      raise ValueError("the last layer must be 'full_attention' (the reference forces it)")
+    for n_kv in (self.num_kv_heads, self.num_global_kv_heads):
+      if self.num_heads % n_kv:
+        raise ValueError(f"num_heads={self.num_heads} is not a multiple of kv heads={n_kv}")
+    if self.top_k_experts > self.num_experts:
+      raise ValueError("top_k_experts exceeds num_experts")
+    if self.moe_impl not in MOE_IMPLS:
+      raise ValueError(f"unknown moe_impl {self.moe_impl!r}; choose one of {MOE_IMPLS}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"unknown remat {self.remat!r}; choose one of {REMAT_POLICIES}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"unknown attention_impl {self.attention_impl!r}; choose one of "
+                       f"{ATTENTION_IMPLS}")
+
+  def layer_head_dim(self, i: int) -> int:
+    return self.head_dim if self.layer_types[i] == SLIDING else self.global_head_dim
+
+  def layer_kv_heads(self, i: int) -> int:
+    return self.num_kv_heads if self.layer_types[i] == SLIDING else self.num_global_kv_heads
+
+  def replace(self, **kwargs: Any) -> "ModelConfig":
+    return dataclasses.replace(self, **kwargs)
+
+
+def gemma_26b_a4b(**overrides: Any) -> ModelConfig:
+  """The released DiffusionGemma 26B-A4B text model."""
+  return ModelConfig(**overrides)
+
+
+def tiny(**overrides: Any) -> ModelConfig:
+  """A few-hundred-K parameter model for tests: every architectural feature, tiny sizes."""
+  defaults = dict(
+      vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=7, num_heads=4,
+      num_kv_heads=2, head_dim=16, global_head_dim=32, num_global_kv_heads=1, sliding_window=8,
+      num_experts=4, top_k_experts=2, moe_intermediate_size=24, canvas_length=8)
+  defaults.update(overrides)
+  return ModelConfig(**defaults)
+
+
+PRESETS = {"gemma_26b_a4b": gemma_26b_a4b, "tiny": tiny}

@@ -1,0 +1,1 @@
+"""Pallas kernels for the canvas attention and the MoE expert MLP, and where they run."""

@@ -1,0 +1,408 @@
+"""Orbax checkpoints of the training state, plus the run's config stored beside them.
+
+Layout of a workdir: config.json (the full ConfigDict of the run), config_history.json (the
+keys changed on resume, with the step they took effect; see resume_config.py), .lock (the
+running trainer, workdir_lock.py), checkpoints/<step>/ (orbax, written to a temporary directory
+and renamed, so an interrupted save never corrupts the last good checkpoint),
+damaged_checkpoints/ (steps a trainer could not read, moved out of orbax's sight, never
+deleted), tensorboard/ (event files).
+
+Three guards keep the last good checkpoint good:
+  * `save` refuses a state holding NaN or inf (one on-device reduction per save), so a
+    diverged run never replaces finite checkpoints with non-finite ones;
+  * a failed write (disk full, I/O error) ends in one line naming the last complete step;
+  * `restore_latest` falls back from an unreadable newest step to the newest readable one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import json
+import os
+import re
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import orbax.checkpoint as ocp
+
+DAMAGED_DIR = "damaged_checkpoints"
+CONFIG_FILE = "config.json"
+# Characters of a library error message kept in a one-line notice.
+ERROR_TEXT_CHARS = 160
+
+
+class CheckpointError(FileNotFoundError):
+  """No usable checkpoint where one was expected. One-line message."""
+
+  def __str__(self):
+    return str(self.args[0])
+
+
+class NonFiniteStateError(CheckpointError):
+  """A state holding NaN or inf was about to be saved."""
+
+
+class CheckpointWriteError(CheckpointError):
+  """Writing a checkpoint (or the config beside it) failed: disk full, I/O error."""
+
+
+def _notice(message: str) -> None:
+  print(message, file=sys.stderr)
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def manager(workdir: str, keep: int | None = None, read_only: bool = False):
+  """An orbax CheckpointManager of the workdir's checkpoints/. A writer (holding the workdir's
+  lock) also clears the temporary directories of interrupted saves."""
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                         read_only=read_only,
+                                         cleanup_tmp_directories=not read_only)
+  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+
+
+# ----------------------------------------------------------------------------- config files
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  """Write `path` through a temporary file and a rename: a reader sees the old content or the
+  new, never a part. A failed write (disk full) raises CheckpointWriteError and leaves the old
+  file as it was."""
+  tmp = path + ".tmp"
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except OSError as e:
+    try:
+      os.remove(tmp)
+    except OSError:
+      pass
+    raise CheckpointWriteError(f"could not write {path}: {describe_os_error(e)}") from None
+
+
+def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  write_text_atomic(os.path.join(workdir, CONFIG_FILE), config.to_json(indent=2))
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise CheckpointError(f"no training run in {workdir!r}: {path} not found "
+                          "(train first: python train.py --config=sft_sudoku --workdir=DIR)")
+  try:
+    with open(path) as f:
+      return ml_collections.ConfigDict(json.load(f))
+  except ValueError as e:
+    raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from a copy, or "
+                          "start a new --workdir") from None
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def steps_on_disk(workdir: str) -> list[int]:
+  """The finalized checkpoint steps (orbax renames a step's directory to its number once it is
+  complete), newest first. Readability is `restore_latest`'s business."""
+  directory = checkpoint_dir(workdir)
+  if not os.path.isdir(directory):
+    return []
+  return sorted((int(name) for name in os.listdir(directory)
+                 if name.isdigit() and os.path.isdir(os.path.join(directory, name))),
+                reverse=True)
+
+
+def latest_step(workdir: str) -> int | None:
+  """The newest finalized step, or None. It may be unreadable: `restore_latest` returns the
+  step it actually restored (the newest readable), which is the one a run resumes from."""
+  steps = steps_on_disk(workdir)
+  return steps[0] if steps else None
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+@jax.jit
+def _finite_flags(tree):
+  """bool per floating leaf: all of its values are finite. One fused reduction pass."""
+  leaves = [x for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  if not leaves:
+    return jnp.ones((0,), bool)
+  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def non_finite_leaves(tree) -> list[str]:
+  """Paths of the floating leaves of `tree` that hold a NaN or an inf (one host sync)."""
+  flags = jax.device_get(_finite_flags(tree))
+  if flags.all():
+    return []
+  paths = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+           if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  return [p for p, ok in zip(paths, flags) if not ok]
+
+
+def _workdir_of(mngr) -> str:
+  return os.path.dirname(os.fspath(mngr.directory))
+
+
+def save(mngr, step: int, state) -> None:
+  """Start an asynchronous save of `state` as `step`.
+
+  Refuses (NonFiniteStateError) a state with any NaN or inf: nothing is written, so the finite
+  checkpoints stay, and none is deleted to keep `keep_checkpoints`. Write failures end in a
+  CheckpointWriteError naming the last complete step.
+  """
+  workdir = _workdir_of(mngr)
+  bad = non_finite_leaves(state)
+  if bad:
+    _settle(mngr)
+    last = latest_step(workdir)
+    raise NonFiniteStateError(
+        f"refusing to save step {step}: {len(bad)} arrays hold NaN or inf (first "
+        f"{bad[0]}); the run diverged. Last finite checkpoint: "
+        + (f"step {last} in {checkpoint_dir(workdir)}" if last is not None else "none"))
+  with _write_errors(mngr, step):
+    mngr.save(step, args=ocp.args.StandardSave(state))
+
+
+def finish(mngr, failed: bool = False) -> None:
+  """Wait for pending saves and close the manager. With `failed` (an error is already on its
+  way out), a second write error is dropped so the first one is what the user sees."""
+  try:
+    with _write_errors(mngr):
+      mngr.wait_until_finished()
+      mngr.close()
+  except CheckpointWriteError:
+    if not failed:
+      raise
+
+
+def describe_os_error(e: BaseException) -> str:
+  """A short reason for an I/O failure, naming a full disk as such."""
+  text = str(e)
+  if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in text or (
+      "os_error_code='28'" in text):
+    return "disk full (No space left on device)"
+  if isinstance(e, OSError) and e.strerror:
+    return e.strerror
+  return _short(e)
+
+
+def _short(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  text = lines[0].split(" See full TensorStore details")[0] if lines else ""
+  text = text if len(text) <= ERROR_TEXT_CHARS else text[:ERROR_TEXT_CHARS] + "..."
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _settle(mngr) -> None:
+  """Let the saves still in flight finish (or fail) before naming the last complete step."""
+  try:
+    mngr.wait_until_finished()
+  except Exception:  # noqa: BLE001 -- its own failure is reported by whoever waits next
+    pass
+
+
+class _write_errors:
+  """Turn any failure of an orbax write into one CheckpointWriteError line."""
+
+  def __init__(self, mngr, step: int | None = None):
+    self.mngr, self.step = mngr, step
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, e, tb):
+    if e is None or not isinstance(e, Exception) or isinstance(e, CheckpointError):
+      return False
+    workdir = _workdir_of(self.mngr)
+    directory = checkpoint_dir(workdir)
+    pending = sorted({int(m) for m in re.findall(r"/(\d+)\.orbax-checkpoint-tmp", str(e))}
+                     or {int(n.split(".")[0]) for n in _listdir(directory)
+                         if ".orbax-checkpoint-tmp" in n and n.split(".")[0].isdigit()})
+    step = pending[-1] if pending else self.step
+    what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+    _settle(self.mngr)
+    last = latest_step(workdir)
+    raise CheckpointWriteError(
+        f"could not write {what} in {directory}: {describe_os_error(e)}; the last complete "
+        "checkpoint is " + (f"step {last}" if last is not None else "none")
+        + "; fix the cause and rerun the same command to resume") from None
+
+
+def _listdir(path: str) -> list[str]:
+  try:
+    return os.listdir(path)
+  except OSError:
+    return []
+
+
+# ----------------------------------------------------------------------------- restoring
+
+
+def restore(mngr, step: int, abstract_state):
+  """Restore `step` into the structure/dtypes/shardings of `abstract_state`."""
+  return mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+
+def abstract(tree):
+  return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def saved_keys(workdir: str, step: int) -> set[str]:
+  """Top-level keys of the state saved at `step` (read from its metadata, no arrays)."""
+  from etils import epath  # orbax's path type
+
+  path = epath.Path(os.path.join(checkpoint_dir(workdir), str(step), "default"))
+  return set(ocp.PyTreeCheckpointHandler().metadata(path).keys())
+
+
+def restore_subtree(workdir: str, step: int, target):
+  """Only the leaves of `target` (a dict of some of the saved state's top-level keys, as
+  ShapeDtypeStructs with shardings) from checkpoint `step`: nothing else is read, e.g. an
+  evaluation never touches the optimizer state."""
+  path = os.path.join(checkpoint_dir(workdir), str(step), "default")
+  restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+  return ocp.PyTreeCheckpointer().restore(
+      path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                        partial_restore=True))
+
+
+def _key_name(k):
+  return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+
+
+def _shapes(tree) -> dict[tuple, tuple]:
+  return {tuple(_key_name(k) for k in path): tuple(getattr(x, "shape", ()))
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _mismatch(workdir: str, step: int, abstract_state) -> str | None:
+  """How the saved arrays of `step` differ from `abstract_state`, or None if they match or the
+  metadata is unreadable. Damaged metadata also reads as a difference, so this only explains a
+  failure; it never decides that a step is intact."""
+  path = os.path.join(checkpoint_dir(workdir), str(step), "default")
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      meta = ckptr.metadata(path)
+    saved = _shapes(getattr(meta, "item_metadata", meta))
+  except Exception:  # noqa: BLE001
+    return None
+  wanted = _shapes(abstract_state)
+  name = lambda key: ".".join(map(str, key))
+  for key, shape in wanted.items():
+    if key in saved and saved[key] != shape:
+      return f"array {name(key)} has shape {saved[key]} where the config expects {shape}"
+  missing = [key for key in wanted if key not in saved]
+  if missing:
+    return f"{len(missing)} of the state's {len(wanted)} arrays are missing (first {name(missing[0])})"
+  extra = [key for key in saved if key not in wanted]
+  if extra:
+    return f"it holds {len(extra)} arrays the run's state has not (first {name(extra[0])})"
+  return None
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+  text = str(e).lower()
+  return "out of memory" in text or "resource_exhausted: out of" in text
+
+
+def move_aside(workdir: str, step: int) -> str:
+  """Rename a damaged step out of checkpoints/ (orbax no longer sees it); returns its path."""
+  target_dir = os.path.join(os.path.abspath(workdir), DAMAGED_DIR)
+  stamp = time.strftime("%Y%m%dT%H%M%S")
+  target = os.path.join(target_dir, f"{step}-{stamp}")
+  n = 1
+  while os.path.exists(target):
+    n += 1
+    target = os.path.join(target_dir, f"{step}-{stamp}-{n}")
+  try:
+    os.makedirs(target_dir, exist_ok=True)
+    os.rename(os.path.join(checkpoint_dir(workdir), str(step)), target)
+  except OSError as e:
+    raise CheckpointError(f"checkpoint step {step} cannot be read, and moving it to {target} "
+                          f"failed ({e.strerror or e}); move it out of {checkpoint_dir(workdir)} "
+                          "by hand") from None
+  return target
+
+
+@contextlib.contextmanager
+def _quiet_read_failures():
+  """While restores are attempted: a failed tensorstore read leaves callbacks that raise into
+  closed event loops, each printed as a traceback through sys.unraisablehook (150 of them for
+  one missing manifest). They say nothing the one-line warning does not."""
+  if os.environ.get("DIFFGEMMA_LIBRARY_LOGS"):
+    yield
+    return
+  hook = sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    yield
+  finally:
+    gc.collect()  # finalise the failed read's coroutines while the hook is still quiet
+    sys.unraisablehook = hook
+
+
+def restore_latest(workdir: str, abstract_state=None, move_damaged: bool = False,
+                   log: Callable[[str], None] = _notice, read=None):
+  """(state, step) of the newest readable checkpoint of `workdir`.
+
+  `abstract_state`: the target (ShapeDtypeStructs with shardings), or a function of the step
+  giving it; `read(step) -> state` replaces the whole-state restore (e.g. parameters alone).
+
+  A step that cannot be read (truncated or missing files, any orbax/tensorstore read error) is
+  skipped for the next older one. Once one restores, each skipped step is reported in one line
+  (`log`) and the run continues from the restored one; with `move_damaged` (a trainer, holding
+  the workdir's lock) the skipped steps are moved to damaged_checkpoints/ (never deleted), so
+  they are neither resumed from nor counted by keep_checkpoints; readers (eval, sampling) leave
+  the workdir as it is. Raises CheckpointError (one line, naming every step's problem) if there
+  is no checkpoint, or if none can be restored (a damaged run, or a state that does not fit the
+  config): nothing is moved then.
+  """
+  steps = steps_on_disk(workdir)
+  directory = checkpoint_dir(workdir)
+  if not steps:
+    raise CheckpointError(f"no checkpoint in {directory!r} (train first, or check --workdir)")
+  failed = []
+  for step in steps:
+    try:
+      with _quiet_read_failures():
+        if read is not None:
+          state = read(step)
+        else:
+          with manager(workdir, read_only=True) as mngr:
+            target = abstract_state(step) if callable(abstract_state) else abstract_state
+            state = restore(mngr, step, target)
+    except Exception as e:  # noqa: BLE001 -- orbax and tensorstore raise many kinds
+      if _is_out_of_memory(e):
+        raise CheckpointError(f"restoring checkpoint step {step} ran out of memory: "
+                              f"{_short(e)}") from None
+      failed.append((step, _short(e)))  # not `e`: its frames hold the failed read's tasks
+      continue
+    for bad, reason in failed:
+      log(f"warning: checkpoint step {bad} in {directory} cannot be read ({reason})")
+      if move_damaged:
+        log(f"moved damaged checkpoint step {bad} to {move_aside(workdir, bad)}")
+    if failed:
+      log(f"using checkpoint step {step}, the newest readable one")
+    return state, step
+  with _quiet_read_failures():
+    explain = lambda step: (None if abstract_state is None or callable(abstract_state)
+                            else _mismatch(workdir, step, abstract_state))
+    reasons = "; ".join(f"step {step}: {explain(step) or reason}" for step, reason in failed)
+  raise CheckpointError(
+      f"no checkpoint in {directory} can be restored ({reasons}); nothing was moved. If the "
+      "config differs from the run's, use the run's; if the files are damaged, move them aside "
+      "or use another --workdir")

@@ -1,0 +1,186 @@
+"""What a run records about itself besides its config: `run_info.json` in the workdir.
+
+config.json holds the resolved config (every key after command-line overrides, and init_from);
+run_info.json holds one entry per invocation of the training loop on the workdir (a resumed run
+appends one): when and how it started (`provenance()`: command line, working directory, package
+version, git commit and whether the checkout had uncommitted changes, Python and JAX versions,
+host, devices) and, when the loop ended without an error, the step it ended at and why:
+
+  "num_train_steps"    the run reached its last step;
+  "max_train_minutes"  it stopped on its wall-clock deadline (with a checkpoint);
+  "stop_at"            the caller asked it to stop early (a simulated preemption).
+
+A run is *finished* when its last invocation ended for one of the first two reasons
+(`finished`); a sweep skips finished runs and resumes the others. Both files are plain JSON,
+readable by a person and by code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+
+RUN_INFO = "run_info.json"
+NUM_TRAIN_STEPS, MAX_TRAIN_MINUTES, STOP_AT = "num_train_steps", "max_train_minutes", "stop_at"
+FINISHED_REASONS = (NUM_TRAIN_STEPS, MAX_TRAIN_MINUTES)
+# diffgemma/runs/provenance.py -> the repository (or the site-packages of an installed copy).
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_GIT_TIMEOUT_S = 10
+
+
+def now() -> str:
+  """Local time with its UTC offset, to the second (ISO 8601)."""
+  return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def package_version() -> str | None:
+  """The version in the checkout's pyproject.toml, else the installed distribution's."""
+  try:
+    import tomllib
+
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+      return tomllib.load(f)["project"]["version"]
+  except (OSError, KeyError, ValueError):
+    pass
+  try:
+    return importlib.metadata.version("diffgemma")
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def _git(*args: str) -> str | None:
+  try:
+    out = subprocess.run(["git", "-C", REPO_ROOT, *args], capture_output=True, text=True,
+                         timeout=_GIT_TIMEOUT_S)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_state() -> dict | None:
+  """{commit, dirty} of the checkout this package runs from; None outside a git checkout (or
+  when the package sits inside some other repository, e.g. installed into a venv there).
+  `dirty`: tracked files differ from the commit (untracked files do not count)."""
+  top = _git("rev-parse", "--show-toplevel")
+  if top is None or os.path.realpath(top) != os.path.realpath(REPO_ROOT):
+    return None
+  commit = _git("rev-parse", "HEAD")
+  if commit is None:  # a repository without commits
+    return None
+  status = _git("status", "--porcelain", "--untracked-files=no")
+  return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def _jax_info() -> dict:
+  """JAX version and devices, only when JAX is already imported (this module never starts it)."""
+  jax = sys.modules.get("jax")
+  if jax is None:
+    return {}
+  devices = jax.devices()
+  return {"jax": jax.__version__, "devices": f"{len(devices)} x {devices[0].device_kind}",
+          "processes": jax.process_count()}
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+  """Where and how this process runs: start time, command line (default sys.argv), working
+  directory, package version, git {commit, dirty} (None outside a checkout), Python and (when
+  imported) JAX versions and devices, host name and process id."""
+  return {"started": now(),
+          "argv": list(sys.argv if argv is None else argv),
+          "cwd": os.getcwd(),
+          "package_version": package_version(),
+          "git": git_state(),
+          "python": platform.python_version(),
+          **_jax_info(),
+          "host": platform.node(),
+          "pid": os.getpid()}
+
+
+def _primary() -> bool:
+  jax = sys.modules.get("jax")
+  return jax is None or jax.process_index() == 0
+
+
+def _path(workdir: str) -> str:
+  return os.path.join(workdir, RUN_INFO)
+
+
+def load_run_info(workdir: str) -> dict:
+  """The workdir's run_info.json ({"invocations": []} when there is none)."""
+  try:
+    with open(_path(workdir)) as f:
+      info = json.load(f)
+  except FileNotFoundError:
+    return {"invocations": []}
+  except ValueError:
+    raise ValueError(f"{_path(workdir)} is not valid JSON; delete it to start a fresh record")
+  info.setdefault("invocations", [])
+  return info
+
+
+def _save(workdir: str, info: dict) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  tmp = _path(workdir) + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(info, f, indent=2)
+    f.write("\n")
+  os.replace(tmp, _path(workdir))
+
+
+def record_start(workdir: str, start_step: int, argv: list[str] | None = None) -> None:
+  """Append this invocation (its `provenance()` and the step it starts from) to run_info.json.
+  Only process 0 of a multi-host run writes."""
+  if not _primary():
+    return
+  info = load_run_info(workdir)
+  info["invocations"].append({**provenance(argv), "start_step": int(start_step)})
+  _save(workdir, info)
+
+
+def stop_reason(step: int, num_train_steps: int, timed_out: bool) -> str:
+  """Why a training loop that ended normally at `step` stopped (see the module docstring)."""
+  if step >= num_train_steps:
+    return NUM_TRAIN_STEPS
+  return MAX_TRAIN_MINUTES if timed_out else STOP_AT
+
+
+def record_end(workdir: str, step: int, reason: str) -> None:
+  """Mark the last invocation as ended at `step` for `reason` (after its final checkpoint is
+  written); only process 0 writes."""
+  if not _primary():
+    return
+  info = load_run_info(workdir)
+  if not info["invocations"]:  # a loop that did not record its start: record it now
+    info["invocations"].append(provenance())
+  info["invocations"][-1].update(ended=now(), end_step=int(step), stop_reason=reason)
+  _save(workdir, info)
+
+
+def running(workdir: str) -> dict | None:
+  """The last invocation if it has not ended and its process is alive on this host (so a second
+  process must not train the same workdir), else None."""
+  invocations = load_run_info(workdir)["invocations"]
+  last = invocations[-1] if invocations else {}
+  if "ended" in last or last.get("host") != platform.node() or "pid" not in last:
+    return None
+  try:
+    os.kill(last["pid"], 0)
+  except ProcessLookupError:
+    return None
+  except PermissionError:  # alive, another user's
+    pass
+  return last
+
+
+def finished(workdir: str) -> dict | None:
+  """The last invocation if it ended finished (num_train_steps or max_train_minutes), else
+  None: a run that never started, is running, crashed, or was stopped early (stop_at)."""
+  invocations = load_run_info(workdir)["invocations"]
+  if invocations and invocations[-1].get("stop_reason") in FINISHED_REASONS:
+    return invocations[-1]
+  return None

@@ -1,0 +1,257 @@
+"""A training run's state: what it is made of, how it starts, where it lives, how it resumes.
+
+The state is one pytree {step, params (the trained tree), opt_state, rng, nonfinite}; a LoRA
+run also has a frozen base outside it (kept in the checkpoint only with `lora.save_base`).
+`Setup` holds everything else a run needs (typed configs, optimizer, mesh, rules), built once
+from the config by `make_setup`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from diffgemma.io import model_dirs
+from diffgemma.model import lora, network, quantize, sharding
+from diffgemma.model.config import NUMERICS_FIELDS, ModelConfig
+from diffgemma.runs import checkpointing, run_config
+from diffgemma.training import optimizer
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything a run needs besides its state: typed configs, optimizer, mesh, shardings."""
+
+  train_cfg: run_config.TrainConfig
+  model_cfg: ModelConfig
+  loss_cfg: Any
+  lora_cfg: lora.LoraConfig
+  mesh: jax.sharding.Mesh
+  rules: dict
+  tx: Any
+  schedule: Any
+  quantize_cfg: quantize.QuantizeConfig | None = None  # QLoRA: the frozen base's quantization
+
+  @property
+  def uses_lora(self) -> bool:
+    return self.lora_cfg.enabled
+
+  @property
+  def grad_accum_steps(self) -> int:
+    return self.train_cfg.grad_accum_steps
+
+
+def make_setup(config: ml_collections.ConfigDict, mesh=None) -> Setup:
+  train_cfg = run_config.train_config(config)
+  lora_cfg = run_config.lora_config(config)
+  tx, schedule = optimizer.make(run_config.optimizer_config(config), train_cfg.num_train_steps,
+                                frozen_router=train_cfg.freeze_router and not lora_cfg.enabled)
+  shard_cfg = run_config.sharding_config(config)
+  mesh = mesh or sharding.make_mesh(shard_cfg)
+  return Setup(train_cfg, run_config.model_config(config), run_config.loss_config(config),
+               lora_cfg, mesh, shard_cfg.rules, tx, schedule, run_config.quantize_config(config))
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def adopt_architecture(config: ml_collections.ConfigDict, arch: ModelConfig) -> list[str]:
+  """Set config.model to `arch`'s architecture, keeping the config's numerics fields.
+
+  Returns the changed fields as "name: old -> new" lines (for the log)."""
+  changes = []
+  with config.unlocked():
+    for field in dataclasses.fields(ModelConfig):
+      if field.name in NUMERICS_FIELDS:
+        continue
+      new = getattr(arch, field.name)
+      new = list(new) if isinstance(new, tuple) else new
+      old = config.model.get(field.name)
+      if (list(old) if isinstance(old, tuple) else old) != new:
+        changes.append(f"{field.name}: {old} -> {new}")
+      config.model[field.name] = new
+  return changes
+
+
+def numerics(config: ml_collections.ConfigDict) -> dict:
+  """The config's numerics fields other than param_dtype (they apply to any checkpoint)."""
+  return {k: config.model[k] for k in NUMERICS_FIELDS if k != "param_dtype"}
+
+
+def adopt_checkpoint_architecture(config: ml_collections.ConfigDict, init_from: str) -> None:
+  """Replace config.model's architecture by the checkpoint's, without reading weights."""
+  arch = model_dirs.read_model_config(init_from, **numerics(config))
+  for change in adopt_architecture(config, arch):
+    print(f"  model.{change} (from {init_from})")
+
+
+def load_initial_params(config: ml_collections.ConfigDict, init_from: str, mesh=None,
+                        rules=None, dtype: str | None = None):
+  """Parameters from a checkpoint directory (transformers, orbax, or a training workdir); the
+  config's model architecture is replaced by the checkpoint's (numerics kept). With a mesh,
+  each tensor goes straight to its shards."""
+  dtype = dtype or config.model.param_dtype
+  shardings = None
+  if mesh is not None:
+    arch = model_dirs.read_model_config(init_from, dtype=dtype, **numerics(config))
+    shardings = sharding.tree_shardings(network.abstract_params(arch), mesh, rules)
+  arch, params = model_dirs.load_model(init_from, dtype=dtype, shardings=shardings,
+                                          rng=jax.random.PRNGKey(config.seed),
+                                          **numerics(config))
+  for change in adopt_architecture(config, arch):
+    print(f"  model.{change} (from {init_from})")
+  return params
+
+
+def base_params_shape(setup: Setup):
+  """Shapes of the frozen base of a LoRA run (in lora.base_dtype; QLoRA: quantized from the
+  model's param_dtype)."""
+  if setup.quantize_cfg is not None:
+    shapes = network.abstract_params(setup.model_cfg)
+    return jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), shapes)
+  cfg = setup.model_cfg.replace(param_dtype=setup.lora_cfg.base_dtype)
+  return network.abstract_params(cfg)
+
+
+def sharded_shapes(shapes, setup: Setup):
+  """`shapes` (ShapeDtypeStructs) with the shardings the config's rules give them."""
+  return jax.tree_util.tree_map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+      sharding.tree_shardings(shapes, setup.mesh, setup.rules))
+
+
+def load_frozen_base(config, setup: Setup):
+  """A LoRA run's frozen base, read from its init_from in lora.base_dtype, sharded."""
+  init_from = config.get("init_from")
+  if not init_from:
+    raise ValueError("a LoRA run fine-tunes a base model: pass --init_from=DIR (a checkpoint "
+                     "or a training workdir)")
+  if setup.quantize_cfg is not None:
+    return _load_quantized_base(config, init_from, setup)
+  return load_initial_params(config, init_from, setup.mesh, setup.rules,
+                             dtype=setup.lora_cfg.base_dtype)
+
+
+def _load_quantized_base(config, init_from: str, setup: Setup):
+  """QLoRA: the base read into host memory in model.param_dtype, then quantized one weight at a
+  time onto the mesh (the devices never hold the float base)."""
+  try:
+    host = jax.local_devices(backend="cpu")[0]
+  except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it): load on the default device
+    host = None
+  with jax.default_device(host):
+    params = load_initial_params(config, init_from, dtype=config.model.param_dtype)
+  shapes = jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), params)
+  return quantize.quantize_params(params, setup.quantize_cfg,
+                                  sharding.tree_shardings(shapes, setup.mesh, setup.rules))
+
+
+def model_params(trainable, frozen, lora_cfg: lora.LoraConfig, dropout_rng=None):
+  """The params the model runs: the trained tree itself, or (LoRA) the frozen base wrapped with
+  the trained adapters."""
+  if frozen is None:
+    return trainable
+  return lora.wrap(frozen, trainable, lora_cfg, dropout_rng)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def init_state(config, setup: Setup, params=None, frozen=None):
+  """The training state: {step, params (the trained tree), opt_state, rng, nonfinite,
+  nonfinite_step}.
+
+  Full fine-tuning trains `params` (random unless given). A LoRA run trains fresh adapters on
+  the frozen base `frozen`; `params` is then unused. `nonfinite` counts the steps whose loss or
+  gradient norm was not finite (their updates were not applied), `nonfinite_step` is the first
+  of them (0: none).
+  """
+  rng = jax.random.PRNGKey(config.seed)
+  init_rng, train_rng = jax.random.split(rng)
+  if setup.uses_lora:
+    params = lora.init(frozen, setup.lora_cfg, init_rng)
+  elif params is None:
+    params = network.init_params(setup.model_cfg, init_rng)
+  zero = lambda: jnp.zeros((), jnp.int32)  # separate buffers: each may be donated
+  return {"step": zero(), "params": params, "opt_state": setup.tx.init(params),
+          "rng": train_rng, "nonfinite": zero(), "nonfinite_step": zero()}
+
+
+def state_shardings(setup: Setup, abstract):
+  repl = sharding.replicated(setup.mesh)
+  shardings = {key: repl for key in abstract if key not in ("params", "opt_state")}
+  for key in ("params", "opt_state"):
+    shardings[key] = sharding.tree_shardings(abstract[key], setup.mesh, setup.rules)
+  return shardings
+
+
+def abstract_state(config, setup: Setup, frozen_shape=None):
+  """Shapes, dtypes and shardings of the training state (nothing allocated)."""
+  shapes = jax.eval_shape(lambda f: init_state(config, setup, frozen=f), frozen_shape)
+  shardings = state_shardings(setup, shapes)
+  return jax.tree_util.tree_map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
+
+
+def new_state(config, setup: Setup, init_from: str | None):
+  """(state, frozen) of a new run: random, or from `init_from`'s parameters (config.model
+  adopts the checkpoint's architecture first); a LoRA run's base is read, sharded."""
+  params = frozen = None
+  if setup.uses_lora:
+    frozen = load_frozen_base(config, setup)
+  elif init_from:
+    params = load_initial_params(config, init_from, setup.mesh, setup.rules)
+  frozen_shape = None if frozen is None else jax.eval_shape(lambda: frozen)
+  target = abstract_state(config, setup, frozen_shape)
+  init_fn = jax.jit(lambda p, f: init_state(config, setup, p, f), donate_argnums=0,
+                    out_shardings=jax.tree_util.tree_map(lambda x: x.sharding, target))
+  return init_fn(params, frozen), frozen
+
+
+# Keys of the state that checkpoints written before them lack; they restore as zeros.
+_ADDED_KEYS = ("nonfinite", "nonfinite_step")
+
+
+def restore_state(workdir: str, config, setup: Setup, move_damaged: bool = False,
+                  step: int | None = None):
+  """(state, frozen, step) of the newest readable checkpoint of a run whose config and setup
+  are given (or of checkpoint `step`). A damaged newer checkpoint is skipped with a notice
+  (moved aside with `move_damaged`: a trainer holding the lock). A LoRA run's base comes from
+  the checkpoint when it was saved there (lora.save_base), else from the run's init_from."""
+  frozen = None
+  base_shape = base_params_shape(setup) if setup.uses_lora else None
+  target = abstract_state(config, setup, base_shape)
+  if setup.uses_lora:
+    if setup.lora_cfg.save_base:
+      target["base"] = sharded_shapes(base_shape, setup)
+    else:
+      frozen = load_frozen_base(config, setup)
+
+  def target_at(s):
+    saved = checkpointing.saved_keys(workdir, s)
+    return {k: v for k, v in target.items() if k in saved or k not in _ADDED_KEYS}
+
+  if step is None:
+    state, step = checkpointing.restore_latest(workdir, target_at, move_damaged)
+  else:
+    with checkpointing.manager(workdir, read_only=True) as mngr:
+      state = checkpointing.restore(mngr, step, target_at(step))
+  for key in _ADDED_KEYS:
+    if key not in state:
+      state[key] = jax.device_put(jnp.zeros((), jnp.int32), target[key].sharding)
+  if "base" in state:
+    frozen = state.pop("base")
+  return state, frozen, int(step)
+
+
+def restore_run(workdir: str, step: int | None = None):
+  """(config, setup, state, frozen, step) of a workdir's checkpoint (the newest readable one by
+  default), under its saved config: the whole training state, e.g. to compare two runs."""
+  config = checkpointing.load_config(workdir)
+  setup = make_setup(config)
+  state, frozen, step = restore_state(workdir, config, setup, step=step)
+  return config, setup, state, frozen, step

@@ -1,0 +1,1 @@
+"""Sampling: the block-diffusion sampler, held-out evaluation, denoising traces."""

@@ -1,0 +1,610 @@
+"""Block-diffusion sampling (docs/design.md, "The sampler"), and autoregressive decoding on the
+same weights.
+
+Semantics follow transformers' `generation_diffusion_gemma.py` (the reference):
+  * `temperature`            <-> LinearTemperatureScheduleLogitsProcessor
+  * `token_entropy`          <-> torch.distributions.Categorical(logits).entropy()
+  * `entropy_bounded_accept` <-> EntropyBoundSampler.accept_canvas (the mask)
+  * `stable_and_confident`   <-> StableAndConfidentStoppingCriteria
+  * `denoising_step`         <-> DiffusionGemmaGenerationMixin._denoising_step
+  * `finalize_canvas`        <-> DiffusionGemmaGenerationMixin._finalize_canvas
+  * `generate`               <-> DiffusionGemmaGenerationMixin.generate
+                                 (+ _compute_tokens_per_forward for the statistics)
+
+Everything is a pure function; loops are `lax.while_loop`s so a whole `generate` call is one
+jitted program (configs static). The trainer and the RL stage reuse the per-step pieces.
+
+Shape suffixes: B batch, P prompt, C canvas, V vocab, N max denoising steps, K canvases,
+S stability history, L = K * C generated slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from diffgemma.model import network
+from diffgemma.model.config import ModelConfig
+
+DIFFUSION = "diffusion"
+AR = "ar"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """Sampling hyper-parameters; defaults are the reference's (report Table 2)."""
+
+  max_denoising_steps: int = 48
+  entropy_bound: float = 0.1
+  t_max: float = 0.8  # temperature at the first denoising step
+  t_min: float = 0.4  # temperature at the last denoising step
+  confidence_threshold: float = 0.005  # mean tempered entropy below which a canvas is confident
+  stability_threshold: int = 1  # steps the argmax canvas must stay unchanged; 0 = not required
+  max_new_tokens: int = 256
+  mode: str = DIFFUSION  # "diffusion" | "ar" (left-to-right through the encoder)
+  ar_temperature: float = 0.0  # AR mode only; 0 = greedy
+  record_trajectory: bool = False  # keep every step's canvases (for RL replay)
+  # Ids that end a row besides the model's eos_token_id (e.g. a chat model's end-of-turn), as
+  # the reference's list-valued `eos_token_id`.
+  stop_token_ids: tuple[int, ...] = ()
+  # Fused step: one pass over the tempered [C, V] distribution yields the draw, entropy, argmax
+  # and the next step's self-conditioning embedding, and the loop carries [B, C, D] embeddings
+  # instead of [B, C, V] logits. Same results as the unfused step (up to float rounding).
+  fused_step: bool = False
+  # Fused step only: truncate the tempered distribution to its top_k tokens (renormalised) for
+  # the draw, the entropy and the self-conditioning; 0 = off (the reference's semantics).
+  top_k: int = 0
+
+  def __post_init__(self):
+    if self.mode not in (DIFFUSION, AR):
+      raise ValueError(f"unknown mode {self.mode!r}; choose {DIFFUSION!r} or {AR!r}")
+    if self.max_denoising_steps <= 0:
+      raise ValueError("max_denoising_steps must be positive")
+    # As the reference: t_n > t_min >= 0 at every step n >= 1, so t_min = 0 is allowed.
+    if not 0.0 <= self.t_min < self.t_max:
+      raise ValueError(f"need 0 <= t_min < t_max (got {self.t_min}, {self.t_max})")
+    if self.stability_threshold < 0:
+      raise ValueError("stability_threshold must be >= 0")
+    if self.max_new_tokens <= 0:
+      raise ValueError("max_new_tokens must be positive")
+    if self.ar_temperature < 0:
+      raise ValueError("ar_temperature must be >= 0")
+    if self.top_k < 0:
+      raise ValueError("top_k must be >= 0 (0 = no truncation)")
+    if self.top_k and not self.fused_step:
+      raise ValueError("top_k truncation needs fused_step=True")
+    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+
+  def replace(self, **kwargs: Any) -> "SamplerConfig":
+    return dataclasses.replace(self, **kwargs)
+
+
+def parse_overrides(raw: dict[str, str]) -> dict[str, Any]:
+  """{field: value} from command-line strings (`--sampler.KEY=VALUE`), each typed as its
+  SamplerConfig field's default; ValueError (one line) for an unknown key or a bad value."""
+  defaults = {f.name: f.default for f in dataclasses.fields(SamplerConfig)}
+  out = {}
+  for key, text in raw.items():
+    if key not in defaults:
+      raise ValueError(f"unknown sampler key {key!r}; choose one of {tuple(defaults)}")
+    default = defaults[key]
+    try:
+      if isinstance(default, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+          raise ValueError
+        out[key] = text.lower() in ("true", "1")
+      elif isinstance(default, tuple):
+        out[key] = tuple(int(t) for t in text.split(",") if t.strip())
+      else:
+        out[key] = type(default)(text)
+    except ValueError:
+      raise ValueError(f"--sampler.{key}={text!r} is not a {type(default).__name__}") from None
+  return out
+
+
+def num_canvases(model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> int:
+  """K = ceil(max_new_tokens / C): the reference always fills whole canvases."""
+  return math.ceil(sampler_cfg.max_new_tokens / model_cfg.canvas_length)
+
+
+# ----------------------------------------------------------------------------- per-step pieces
+
+
+def temperature(step_remaining, cfg: SamplerConfig):
+  """t_n = t_min + (t_max - t_min) * n / N, float32; n counts DOWN from N (first step) to 1."""
+  frac = jnp.asarray(step_remaining, jnp.int32).astype(jnp.float32) / cfg.max_denoising_steps
+  return cfg.t_min + (cfg.t_max - cfg.t_min) * frac
+
+
+def token_entropy(logits_xV):
+  """Entropy of softmax(logits) over the last axis, in float32; shape [...]."""
+  return _entropy(jax.nn.log_softmax(logits_xV.astype(jnp.float32), axis=-1))
+
+
+def _entropy(log_probs_xV):
+  # As torch's Categorical: clamp -inf log-probs so 0 * log 0 contributes 0, not nan.
+  logp = jnp.maximum(log_probs_xV, jnp.finfo(jnp.float32).min)
+  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def sample_categorical(rng, log_probs_xV):
+  """One draw from exp(log_probs) over the last axis, by inverse CDF; int32 [...].
+
+  One uniform number per draw, as torch.multinomial, where jax.random.categorical (Gumbel-max)
+  draws and takes two logs of one per vocabulary entry: on CPU that cost more than everything
+  else in a denoising step outside the network.
+  """
+  cdf_xV = jnp.cumsum(jnp.exp(log_probs_xV), axis=-1)
+  u_x1 = jax.random.uniform(rng, cdf_xV.shape[:-1] + (1,), cdf_xV.dtype) * cdf_xV[..., -1:]
+  # The first entry whose cdf exceeds u (never a zero-probability one); the clamp guards
+  # against u rounding up to the total.
+  first_above = jnp.sum(cdf_xV <= u_x1, axis=-1)
+  return jnp.minimum(first_above, cdf_xV.shape[-1] - 1).astype(jnp.int32)
+
+
+def entropy_bounded_accept(entropy_BxC, bound: float):
+  """Entropy-bounded acceptance mask [B, C] bool.
+
+  Sort positions by entropy (ascending, ties in position order) and accept the longest prefix
+  whose entropy sum without its own (largest) entry is <= bound; the lowest-entropy position is
+  therefore always accepted.
+  """
+  order_BxC = jnp.argsort(entropy_BxC, axis=-1, stable=True)
+  sorted_BxC = jnp.take_along_axis(entropy_BxC, order_BxC, axis=-1)
+  # cumsum - own, not an exclusive cumsum: the same float rounding as the reference.
+  accept_sorted_BxC = jnp.cumsum(sorted_BxC, axis=-1) - sorted_BxC <= bound
+  rows_Bx1 = jnp.arange(entropy_BxC.shape[0])[:, None]
+  return jnp.zeros_like(accept_sorted_BxC).at[rows_Bx1, order_BxC].set(accept_sorted_BxC)
+
+
+def init_stability_history(batch: int, canvas_length: int, cfg: SamplerConfig):
+  """The last `stability_threshold` argmax canvases [S, B, C]; -1 so step one is never stable."""
+  return jnp.full((cfg.stability_threshold, batch, canvas_length), -1, jnp.int32)
+
+
+def stable_and_confident(history_SxBxC, argmax_BxC, tempered_logits_BxCxV, cfg: SamplerConfig,
+                         entropy_BxC=None):
+  """Adaptive stop: (stop_B, new history).
+
+  stable: the new argmax canvas equals each of the last S ones (always true when S = 0);
+  confident: mean over positions of the tempered-logit entropy < confidence_threshold.
+  `entropy_BxC`, when given, is that entropy (the logits are then not read).
+  """
+  stable_B = jnp.all(history_SxBxC == argmax_BxC[None], axis=(0, 2))
+  if cfg.stability_threshold > 0:
+    history_SxBxC = jnp.concatenate([history_SxBxC[1:], argmax_BxC[None]], axis=0)
+  if entropy_BxC is None:
+    entropy_BxC = token_entropy(tempered_logits_BxCxV)
+  mean_entropy_B = jnp.mean(entropy_BxC, axis=-1)
+  return stable_B & (mean_entropy_B < cfg.confidence_threshold), history_SxBxC
+
+
+def stop_ids(model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> tuple[int, ...]:
+  """The ids that end a row: the model's EOS, then the sampler's extra stop ids."""
+  return tuple(dict.fromkeys((model_cfg.eos_token_id,) + sampler_cfg.stop_token_ids))
+
+
+def is_stop(tokens, stop_token_ids: tuple[int, ...]):
+  """Elementwise: is the token one of `stop_token_ids` (the reference's `torch.isin`)."""
+  return jnp.isin(tokens, jnp.asarray(stop_token_ids, jnp.int32))
+
+
+def finalize_canvas(canvas_BxC, finished_B, budget_reached, model_cfg: ModelConfig,
+                    stop_token_ids: tuple[int, ...] | None = None):
+  """EOS handling of a newly denoised canvas: (final canvas [B, C], finished [B]).
+
+  Rows finished in earlier canvases get an all-pad canvas; in every row, tokens after the first
+  EOS become pad (the EOS itself stays). A row finishes when its canvas (as denoised) holds an
+  EOS or when the token budget is reached (`budget_reached`, a scalar bool). "EOS" is any of
+  `stop_token_ids` (default: the model's eos_token_id alone).
+  """
+  if stop_token_ids is None:
+    stop_token_ids = (model_cfg.eos_token_id,)
+  pad = model_cfg.pad_token_id
+  finished_now_B = jnp.any(is_stop(canvas_BxC, stop_token_ids), axis=-1) | budget_reached
+  canvas_BxC = jnp.where(finished_B[:, None], pad, canvas_BxC)
+  is_eos_BxC = is_stop(canvas_BxC, stop_token_ids)
+  eos_count_BxC = jnp.cumsum(is_eos_BxC, axis=-1)
+  after_eos_BxC = (eos_count_BxC > 0) & ~((eos_count_BxC == 1) & is_eos_BxC)
+  return jnp.where(after_eos_BxC, pad, canvas_BxC), finished_B | finished_now_B
+
+
+class DenoiseState(NamedTuple):
+  """Loop state of one canvas's denoising.
+
+  canvas_BxC: the noisy canvas fed to the next decoder pass.
+  argmax_BxC: argmax of the last tempered logits (the canvas that gets committed).
+  self_cond_BxCxV: the last tempered logits in the embedding dtype (self-conditioning input);
+    [B, C, 0] with `fused_step`, which carries instead
+  self_cond_embedding_BxCxD: the next step's self-conditioning embedding ([B, C, 0] unfused).
+  history_SxBxC: argmax canvases for the stability test.
+  finished_B: rows that stopped (or never needed to run); they are frozen.
+  step: denoising steps taken so far (scalar int32); step remaining n = N - step.
+  """
+
+  canvas_BxC: jax.Array
+  argmax_BxC: jax.Array
+  self_cond_BxCxV: jax.Array
+  self_cond_embedding_BxCxD: jax.Array
+  history_SxBxC: jax.Array
+  finished_B: jax.Array
+  step: jax.Array
+
+
+class StepOutput(NamedTuple):
+  """What one step did, for bookkeeping and RL: rows that ran (active_B), the acceptance mask
+  (False on inactive rows), the tempered logits (before the finished-row substitution) and their
+  per-position entropy, the quantity the acceptance ranks (float32 [B, C], 0 on inactive rows)."""
+
+  active_B: jax.Array
+  accepted_BxC: jax.Array
+  tempered_logits_BxCxV: jax.Array
+  entropy_BxC: jax.Array
+
+
+def _step_output(frozen_B, accepted_BxC, tempered_BxCxV, entropy_BxC) -> StepOutput:
+  """A step's StepOutput; rows frozen before it report no acceptance and zero entropy."""
+  frozen_Bx1 = frozen_B[:, None]
+  return StepOutput(~frozen_B, accepted_BxC & ~frozen_Bx1, tempered_BxCxV,
+                    jnp.where(frozen_Bx1, 0.0, entropy_BxC.astype(jnp.float32)))
+
+
+def init_denoise_state(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, rng,
+                       batch: int, finished_B=None) -> DenoiseState:
+  """Uniform random canvas; argmax starts as that canvas (as the reference), no self-cond."""
+  c, v = model_cfg.canvas_length, model_cfg.vocab_size
+  canvas_BxC = jax.random.randint(rng, (batch, c), 0, v, jnp.int32)
+  if finished_B is None:
+    finished_B = jnp.zeros((batch,), bool)
+  return DenoiseState(
+      canvas_BxC=canvas_BxC,
+      argmax_BxC=canvas_BxC,
+      self_cond_BxCxV=jnp.zeros((batch, c, 0 if sampler_cfg.fused_step else v),
+                                params["embedding"].dtype),
+      self_cond_embedding_BxCxD=jnp.zeros(
+          (batch, c, model_cfg.hidden_size if sampler_cfg.fused_step else 0),
+          model_cfg.compute_dtype),
+      history_SxBxC=init_stability_history(batch, c, sampler_cfg),
+      finished_B=finished_B,
+      step=jnp.zeros((), jnp.int32))
+
+
+def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
+                   state: DenoiseState, rng) -> tuple[DenoiseState, StepOutput]:
+  """One denoising step, exactly the reference `_denoising_step`.
+
+  Decoder pass with the previous step's tempered logits as self-conditioning (none on the first
+  step); temper by t_n; sample a candidate canvas from softmax(tempered); accept the entropy-
+  bounded low-entropy positions and renoise the rest with fresh uniform tokens; rows already
+  finished keep canvas, argmax and self-conditioning; then finished |= stable & confident.
+  """
+  if sampler_cfg.fused_step:
+    return _fused_denoising_step(params, model_cfg, sampler_cfg, cache, state, rng)
+  b = state.canvas_BxC.shape[0]
+  sample_key, noise_key = jax.random.split(rng)
+  sc_mask_B = jnp.broadcast_to(state.step > 0, (b,))
+  logits_BxCxV = network.decode(params, model_cfg, state.canvas_BxC, cache, None,
+                              state.self_cond_BxCxV, sc_mask_B)
+  tempered_BxCxV = logits_BxCxV / temperature(sampler_cfg.max_denoising_steps - state.step,
+                                              sampler_cfg)
+  # One log-softmax serves the draw, the acceptance and the stopping test.
+  log_probs_BxCxV = jax.nn.log_softmax(tempered_BxCxV, axis=-1)
+  entropy_BxC = _entropy(log_probs_BxCxV)
+  sampled_BxC = sample_categorical(sample_key, log_probs_BxCxV)
+  argmax_BxC = jnp.argmax(tempered_BxCxV, axis=-1).astype(jnp.int32)
+  canvas_BxC, argmax_BxC, accepted_BxC = _accept_and_renoise(
+      state, sampled_BxC, argmax_BxC, entropy_BxC, noise_key, model_cfg, sampler_cfg)
+  frozen_B = state.finished_B
+  # Finished rows are judged (and self-conditioned) on their previous logits, as the reference.
+  stop_logits_BxCxV = jnp.where(frozen_B[:, None, None],
+                                state.self_cond_BxCxV.astype(jnp.float32), tempered_BxCxV)
+  # A finished row stays finished whatever its stop test says, so the new entropy serves all.
+  stop_B, history_SxBxC = stable_and_confident(state.history_SxBxC, argmax_BxC,
+                                               stop_logits_BxCxV, sampler_cfg, entropy_BxC)
+  new_state = DenoiseState(
+      canvas_BxC=canvas_BxC,
+      argmax_BxC=argmax_BxC,
+      self_cond_BxCxV=stop_logits_BxCxV.astype(state.self_cond_BxCxV.dtype),
+      self_cond_embedding_BxCxD=state.self_cond_embedding_BxCxD,
+      history_SxBxC=history_SxBxC,
+      finished_B=frozen_B | stop_B,
+      step=state.step + 1)
+  return new_state, _step_output(frozen_B, accepted_BxC, tempered_BxCxV, entropy_BxC)
+
+
+def _accept_and_renoise(state: DenoiseState, sampled_BxC, argmax_BxC, entropy_BxC, noise_key,
+                        model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
+  """Keep the entropy-bounded accepted draws, renoise the rest with uniform tokens; finished
+  rows keep their canvas and argmax. Returns (canvas_BxC, argmax_BxC, accepted_BxC)."""
+  accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound)
+  noise_BxC = jax.random.randint(noise_key, sampled_BxC.shape, 0, model_cfg.vocab_size,
+                                 jnp.int32)
+  canvas_BxC = jnp.where(accepted_BxC, sampled_BxC, noise_BxC)
+  frozen_Bx1 = state.finished_B[:, None]
+  return (jnp.where(frozen_Bx1, state.canvas_BxC, canvas_BxC),
+          jnp.where(frozen_Bx1, state.argmax_BxC, argmax_BxC), accepted_BxC)
+
+
+def fused_sample(params, model_cfg: ModelConfig, tempered_BxCxV, rng, top_k: int = 0):
+  """Everything a step needs from the tempered logits, from one softmax of them.
+
+  Returns (sampled_BxC, argmax_BxC, entropy_BxC, self_cond_embedding_BxCxD). With top_k > 0 the
+  distribution is truncated to the top_k logits and renormalised: the draw, the entropy and the
+  embedding (top_k gathered rows instead of a [V, D] matmul) all use the truncated one; the
+  argmax is unchanged.
+  """
+  if top_k:
+    top_logits_BxCxK, top_ids_BxCxK = jax.lax.top_k(tempered_BxCxV, top_k)
+    log_probs_BxCxK = jax.nn.log_softmax(top_logits_BxCxK, axis=-1)
+    choice_BxC = sample_categorical(rng, log_probs_BxCxK)
+    sampled_BxC = jnp.take_along_axis(top_ids_BxCxK, choice_BxC[..., None], -1)[..., 0]
+    return (sampled_BxC.astype(jnp.int32), top_ids_BxCxK[..., 0].astype(jnp.int32),
+            _entropy(log_probs_BxCxK),
+            network.soft_embedding(params, jnp.exp(log_probs_BxCxK), model_cfg, top_ids_BxCxK))
+  log_probs_BxCxV = jax.nn.log_softmax(tempered_BxCxV, axis=-1)
+  return (sample_categorical(rng, log_probs_BxCxV),
+          jnp.argmax(tempered_BxCxV, axis=-1).astype(jnp.int32), _entropy(log_probs_BxCxV),
+          network.soft_embedding(params, jnp.exp(log_probs_BxCxV), model_cfg))
+
+
+def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
+                          state: DenoiseState, rng) -> tuple[DenoiseState, StepOutput]:
+  """`denoising_step` with `fused_sample`: same semantics, self-conditioning carried as the
+  [B, C, D] embedding, and the [C, V] probabilities computed once."""
+  b = state.canvas_BxC.shape[0]
+  sample_key, noise_key = jax.random.split(rng)
+  sc_mask_B = jnp.broadcast_to(state.step > 0, (b,))
+  logits_BxCxV = network.decode(params, model_cfg, state.canvas_BxC, cache, None, None, sc_mask_B,
+                              state.self_cond_embedding_BxCxD)
+  tempered_BxCxV = logits_BxCxV / temperature(sampler_cfg.max_denoising_steps - state.step,
+                                              sampler_cfg)
+  sampled_BxC, argmax_BxC, entropy_BxC, embedding_BxCxD = fused_sample(
+      params, model_cfg, tempered_BxCxV, sample_key, sampler_cfg.top_k)
+  canvas_BxC, argmax_BxC, accepted_BxC = _accept_and_renoise(
+      state, sampled_BxC, argmax_BxC, entropy_BxC, noise_key, model_cfg, sampler_cfg)
+  frozen_B = state.finished_B
+  embedding_BxCxD = jnp.where(frozen_B[:, None, None], state.self_cond_embedding_BxCxD,
+                              embedding_BxCxD.astype(state.self_cond_embedding_BxCxD.dtype))
+  # A finished row stays finished whatever its stop test says (see denoising_step).
+  stop_B, history_SxBxC = stable_and_confident(state.history_SxBxC, argmax_BxC, None,
+                                               sampler_cfg, entropy_BxC)
+  new_state = state._replace(
+      canvas_BxC=canvas_BxC, argmax_BxC=argmax_BxC, self_cond_embedding_BxCxD=embedding_BxCxD,
+      history_SxBxC=history_SxBxC, finished_B=frozen_B | stop_B, step=state.step + 1)
+  return new_state, _step_output(frozen_B, accepted_BxC, tempered_BxCxV, entropy_BxC)
+
+
+def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache, rng,
+                   row_done_B=None):
+  """Denoise one canvas after the cached prefix, in one `lax.while_loop`.
+
+  Args:
+    cache: the encoder cache; the canvas sits at slots [cache['end'], end + C).
+    row_done_B: rows whose sequence already ended: frozen from the start, no passes counted.
+  Returns:
+    (argmax_canvas_BxC, stats) with stats['num_steps'] [B] int32 (decoder passes per row) and,
+    when `record_trajectory`, stats['trajectory'] = {canvas [N,B,C] (each step's input),
+    argmax [N,B,C] (each step's output), accepted [N,B,C], entropy [N,B,C] (float32, the
+    tempered entropy the acceptance ranked), valid [N,B] (row ran that step)}.
+  """
+  b = cache["valid"].shape[0]
+  n_max, c = sampler_cfg.max_denoising_steps, model_cfg.canvas_length
+  init_key, loop_key = jax.random.split(rng)
+  state = init_denoise_state(params, model_cfg, sampler_cfg, init_key, b, row_done_B)
+  steps_B = jnp.zeros((b,), jnp.int32)
+  traj = None
+  if sampler_cfg.record_trajectory:
+    traj = {"canvas": jnp.zeros((n_max, b, c), jnp.int32),
+            "argmax": jnp.zeros((n_max, b, c), jnp.int32),
+            "accepted": jnp.zeros((n_max, b, c), bool),
+            "entropy": jnp.zeros((n_max, b, c), jnp.float32),
+            "valid": jnp.zeros((n_max, b), bool)}
+
+  def cond(carry):
+    state, _, _ = carry
+    return (state.step < n_max) & ~jnp.all(state.finished_B)
+
+  def body(carry):
+    state, steps_B, traj = carry
+    # fold_in by step: each step's randomness is independent of when the loop exits.
+    new_state, out = denoising_step(params, model_cfg, sampler_cfg, cache, state,
+                                    jax.random.fold_in(loop_key, state.step))
+    if traj is not None:
+      put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, state.step, 0)
+      traj = {"canvas": put(traj["canvas"], state.canvas_BxC),
+              "argmax": put(traj["argmax"], new_state.argmax_BxC),
+              "accepted": put(traj["accepted"], out.accepted_BxC),
+              "entropy": put(traj["entropy"], out.entropy_BxC),
+              "valid": put(traj["valid"], out.active_B)}
+    return new_state, steps_B + out.active_B.astype(jnp.int32), traj
+
+  state, steps_B, traj = jax.lax.while_loop(cond, body, (state, steps_B, traj))
+  stats = {"num_steps": steps_B}
+  if traj is not None:
+    stats["trajectory"] = traj
+  return state.argmax_BxC, stats
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _row_stats(tokens_BxL, decoder_passes_B, commit_passes_B, canvases_B, pad: int):
+  """Per-row statistics; TPF = generated non-pad tokens / decoder passes (the reference's)."""
+  num_tokens_B = jnp.sum(tokens_BxL != pad, axis=-1).astype(jnp.int32)
+  return {
+      "tokens": tokens_BxL,
+      "num_tokens": num_tokens_B,
+      "decoder_passes": decoder_passes_B,
+      "commit_passes": commit_passes_B,
+      "num_canvases": canvases_B,
+      "steps_per_canvas": decoder_passes_B / jnp.maximum(canvases_B, 1),
+      "tokens_per_forward": num_tokens_B / jnp.maximum(decoder_passes_B, 1),
+  }
+
+
+def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
+                        batch: int, rng):
+  """Block-autoregressive canvases after an encoded prompt (see `generate`)."""
+  c, k_max = model_cfg.canvas_length, num_canvases(model_cfg, sampler_cfg)
+  n_max = sampler_cfg.max_denoising_steps
+  zeros_B = jnp.zeros((batch,), jnp.int32)
+  carry = {
+      "k": jnp.zeros((), jnp.int32), "cache": cache,
+      "tokens": jnp.full((batch, k_max * c), model_cfg.pad_token_id, jnp.int32),
+      "finished": jnp.zeros((batch,), bool), "passes": zeros_B, "commits": zeros_B,
+      "canvases": zeros_B, "canvas_steps": jnp.zeros((batch, k_max), jnp.int32)}
+  if sampler_cfg.record_trajectory:
+    carry["trajectory"] = {
+        "canvas": jnp.zeros((k_max, n_max, batch, c), jnp.int32),
+        "argmax": jnp.zeros((k_max, n_max, batch, c), jnp.int32),
+        "accepted": jnp.zeros((k_max, n_max, batch, c), bool),
+        "entropy": jnp.zeros((k_max, n_max, batch, c), jnp.float32),
+        "valid": jnp.zeros((k_max, n_max, batch), bool)}
+
+  def cond(carry):
+    return (carry["k"] < k_max) & ~jnp.all(carry["finished"])
+
+  def body(carry):
+    k, finished_B = carry["k"], carry["finished"]
+    canvas_BxC, stats = denoise_canvas(params, model_cfg, sampler_cfg, carry["cache"],
+                                       jax.random.fold_in(rng, k), finished_B)
+    budget_reached = (k + 1) * c >= sampler_cfg.max_new_tokens
+    canvas_BxC, new_finished_B = finalize_canvas(canvas_BxC, finished_B, budget_reached,
+                                                 model_cfg, stop_ids(model_cfg, sampler_cfg))
+    # Commit the final canvas (pads included, all attended, as the reference) only when another
+    # canvas follows: the last canvas is never encoded.
+    cache = jax.lax.cond(
+        jnp.all(new_finished_B), lambda cache: cache,
+        lambda cache: network.encode(params, model_cfg, canvas_BxC, cache)[1], carry["cache"])
+    new = dict(carry)
+    new.update(
+        k=k + 1, cache=cache, finished=new_finished_B,
+        tokens=jax.lax.dynamic_update_slice(carry["tokens"], canvas_BxC, (0, k * c)),
+        passes=carry["passes"] + stats["num_steps"],
+        commits=carry["commits"] + (~new_finished_B).astype(jnp.int32),
+        canvases=carry["canvases"] + (~finished_B).astype(jnp.int32),
+        canvas_steps=carry["canvas_steps"].at[:, k].set(stats["num_steps"]))
+    if sampler_cfg.record_trajectory:
+      new["trajectory"] = jax.tree_util.tree_map(
+          lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, k, 0),
+          carry["trajectory"], stats["trajectory"])
+    return new
+
+  carry = jax.lax.while_loop(cond, body, carry)
+  out = _row_stats(carry["tokens"], carry["passes"], carry["commits"], carry["canvases"],
+                   model_cfg.pad_token_id)
+  out["canvas_steps"] = carry["canvas_steps"]
+  if sampler_cfg.record_trajectory:
+    out["trajectory"] = carry["trajectory"]
+  return out
+
+
+def settle_steps(trajectory):
+  """When each canvas's argmax stopped changing: int32 [K, B], the 1-based step from which every
+  later step's argmax canvas equals the final one (0 where the row did not run canvas k).
+
+  Steps after it (steps_run - settle) were spent only on the stopping rule (confidence and
+  stability), not on changing the answer. `trajectory`: a recorded trajectory (argmax
+  [K, N, B, C], valid [K, N, B]).
+  """
+  argmax_KxNxBxC, valid_KxNxB = trajectory["argmax"], trajectory["valid"]
+  steps_KxB = jnp.sum(valid_KxNxB, axis=1).astype(jnp.int32)
+  last_KxBxC = jnp.take_along_axis(argmax_KxNxBxC,
+                                   jnp.maximum(steps_KxB - 1, 0)[:, None, :, None], axis=1)
+  differs_KxNxB = jnp.any(argmax_KxNxBxC != last_KxBxC, axis=-1) & valid_KxNxB
+  n_1xNx1 = jnp.arange(argmax_KxNxBxC.shape[1])[None, :, None]
+  last_change_KxB = jnp.max(jnp.where(differs_KxNxB, n_1xNx1, -1), axis=1)
+  return jnp.where(steps_KxB > 0, last_change_KxB + 2, 0).astype(jnp.int32)
+
+
+def _generate_ar(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
+                 last_logits_BxV, rng):
+  """Left-to-right decoding through the encoder: one token per encoder pass (see `generate`)."""
+  batch = last_logits_BxV.shape[0]
+  c, k_max = model_cfg.canvas_length, num_canvases(model_cfg, sampler_cfg)
+  max_new = sampler_cfg.max_new_tokens
+  stops, pad = stop_ids(model_cfg, sampler_cfg), model_cfg.pad_token_id
+
+  def pick(logits_BxV, t):
+    if sampler_cfg.ar_temperature == 0.0:
+      return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(jax.random.fold_in(rng, t),
+                                  logits_BxV / sampler_cfg.ar_temperature).astype(jnp.int32)
+
+  def cond(carry):
+    return (carry["t"] < max_new) & ~jnp.all(carry["done"])
+
+  def body(carry):
+    t, done_B = carry["t"], carry["done"]
+    token_B = jnp.where(done_B, pad, pick(carry["logits"], t))
+    new_done_B = done_B | is_stop(token_B, stops)
+
+    def step(args):
+      cache, _ = args
+      hidden, cache = network.encode(params, model_cfg, token_B[:, None], cache)
+      return cache, network.lm_head(params, hidden[:, -1], model_cfg)
+
+    # No encoder pass after the last token.
+    cache, logits_BxV = jax.lax.cond(
+        jnp.all(new_done_B) | (t + 1 >= max_new), lambda args: args, step,
+        (carry["cache"], carry["logits"]))
+    return {"t": t + 1, "cache": cache, "logits": logits_BxV, "done": new_done_B,
+            "tokens": jax.lax.dynamic_update_index_in_dim(carry["tokens"], token_B, t, 1),
+            "passes": carry["passes"] + (~done_B).astype(jnp.int32)}
+
+  carry = {"t": jnp.zeros((), jnp.int32), "cache": cache, "logits": last_logits_BxV,
+           "done": jnp.zeros((batch,), bool),
+           "tokens": jnp.full((batch, k_max * c), pad, jnp.int32),
+           "passes": jnp.zeros((batch,), jnp.int32)}
+  carry = jax.lax.while_loop(cond, body, carry)
+  passes_B = carry["passes"]
+  # Canvas-sized blocks the row wrote into, so the stats keep one format across modes.
+  canvases_B = (passes_B + c - 1) // c
+  return _row_stats(carry["tokens"], passes_B, jnp.zeros_like(passes_B), canvases_B, pad)
+
+
+def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_BxP,
+             prompt_valid_BxP=None, rng=None) -> dict:
+  """Generate after a (left-padded) prompt; jittable with configs static (`make_generate_fn`).
+
+  Allocates a cache of P + K*C slots (K = ceil(max_new_tokens / C)), encodes the prompt (pads
+  masked out; positions are slot indices, as the reference), then either
+    diffusion: per canvas, `denoise_canvas`, `finalize_canvas`, and one encoder pass to commit
+      it; rows stop at EOS (or a `stop_token_ids` id) or the budget; the loop stops when every
+      row has; or
+    ar: one token per encoder pass from the last hidden state (greedy or `ar_temperature`).
+  Returns a dict:
+    tokens [B, K*C] int32 (pad after a row's end), num_tokens [B] (non-pad tokens),
+    decoder_passes [B] (denoising forwards; AR: token-producing forwards), commit_passes [B]
+    (canvas commits the row needed; AR: 0), num_canvases [B], steps_per_canvas [B],
+    tokens_per_forward [B] = num_tokens / decoder_passes; diffusion only: canvas_steps [B, K],
+    and with `record_trajectory` trajectory {canvas, argmax, accepted, entropy: [K,N,B,C],
+    valid [K,N,B]}.
+  """
+  batch, prompt_len = prompt_BxP.shape
+  if prompt_valid_BxP is None:
+    prompt_valid_BxP = jnp.ones((batch, prompt_len), bool)
+  if rng is None:
+    rng = jax.random.PRNGKey(0)
+  max_len = prompt_len + num_canvases(model_cfg, sampler_cfg) * model_cfg.canvas_length
+  cache = network.init_cache(model_cfg, batch, max_len)
+  hidden_BxPxD, cache = network.encode(params, model_cfg, prompt_BxP.astype(jnp.int32), cache,
+                                     prompt_valid_BxP.astype(bool))
+  if sampler_cfg.mode == AR:
+    last_logits_BxV = network.lm_head(params, hidden_BxPxD[:, -1], model_cfg)
+    return _generate_ar(params, model_cfg, sampler_cfg, cache, last_logits_BxV, rng)
+  return _generate_diffusion(params, model_cfg, sampler_cfg, cache, batch, rng)
+
+
+def make_generate_fn(model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
+  """`fn(params, prompt_BxP, prompt_valid_BxP, rng) -> dict`, jitted for these configs."""
+  jitted = jax.jit(generate, static_argnums=(1, 2))
+
+  def generate_fn(params, prompt_BxP, prompt_valid_BxP, rng):
+    return jitted(params, model_cfg, sampler_cfg, prompt_BxP, prompt_valid_BxP, rng)
+
+  return generate_fn

@@ -1,0 +1,43 @@
+"""Tasks by name: `config.task.name` picks the module that builds the run's `Task`.
+
+Only this registry, the task modules themselves and `configs/` name a task module; everything
+else receives a `Task` (diffgemma/tasks/base.py) from `make_task`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import ml_collections
+
+from diffgemma.tasks.base import Layout, Prompts, RlTask, Task
+
+# name -> module defining `from_config(config, training, planning) -> Task`.
+TASKS = {"sudoku": "diffgemma.tasks.sudoku", "chat": "diffgemma.tasks.chat"}
+DEFAULT_TASK = "sudoku"  # configs written before tasks existed are Sudoku runs
+
+
+def task_name(config: ml_collections.ConfigDict) -> str:
+  section = config.get("task")
+  name = section.get("name", DEFAULT_TASK) if section is not None else DEFAULT_TASK
+  if name not in TASKS:
+    raise ValueError(f"unknown task.name {name!r}; choose one of {tuple(TASKS)}")
+  return name
+
+
+def tokenization_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """Config keys ("section.key") that fix how the task maps records to token ids: a run started
+  from another run of the same task must keep them (its embeddings were trained on them)."""
+  return tuple(getattr(importlib.import_module(TASKS[task_name(config)]), "TOKENIZATION_KEYS", ()))
+
+
+def make_task(config: ml_collections.ConfigDict, training: bool = True,
+              planning: bool = False) -> Task:
+  """The run's task, built from (and validating) its config sections; ValueError if bad.
+  `training=False` (evaluation, sampling): the task need not read its training data.
+  `planning` (--dry_run): only the layout and shapes matter; no data is read."""
+  return importlib.import_module(TASKS[task_name(config)]).from_config(
+      config, training and not planning, planning)
+
+
+__all__ = ["Layout", "Prompts", "RlTask", "Task", "TASKS", "make_task", "task_name", "tokenization_keys"]

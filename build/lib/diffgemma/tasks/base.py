@@ -1,0 +1,224 @@
+"""The task boundary: what a task hands to the generic trainer, evaluator, sampler and SD·RL.
+
+`Task` is what SFT, evaluation and sampling need; `RlTask` adds SD·RL's rollout prompts and
+rewards, so a task trained only with SFT implements `Task` alone.
+
+A task owns everything that knows what the tokens mean: turning records into fixed-shape
+training sequences, the prompts and references of its held-out sets, the metrics over generated
+replies, SD·RL rollout prompts and rewards, and the checks of its own config section. The
+generic modules (losses, sampler, evaluation, trainer, sdrl) see only `Layout`, numpy batches,
+`Prompts` and the methods below; they never import a task module (`diffgemma.tasks.make_task`
+builds one from `config.task.name`).
+
+A training sequence is P prompt slots (left-padded), then K canvases of C tokens:
+  tokens_BxL int32, valid_BxL bool (False = padding, never attended), loss_mask_BxL bool
+  (supervised target tokens), with L = P + K * C.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from diffgemma.sampling import traces
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Static sequence shape of a task for one model: P prompt slots, then K canvases of C."""
+
+  prompt_len: int
+  num_canvases: int
+  canvas_length: int
+
+  def __post_init__(self):
+    for name in ("prompt_len", "num_canvases", "canvas_length"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"layout {name} must be >= 1, got {getattr(self, name)}")
+
+  @property
+  def response_len(self) -> int:
+    """K * C: the generated slots."""
+    return self.num_canvases * self.canvas_length
+
+  @property
+  def seq_len(self) -> int:
+    """L = P + K * C."""
+    return self.prompt_len + self.response_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+  """Sampler inputs and what the task needs to score the replies.
+
+  prompt_NxP: int32, left-padded to the task's prompt length; valid_NxP: bool (False = pad).
+  references: one entry per row (a list, or an array with rows first), opaque to generic code
+  (the task's `score` and `reward` read it); `take` keeps it aligned with the rows.
+  records: optional per-row dicts written beside the predictions (e.g. the source line).
+  """
+
+  prompt_NxP: np.ndarray
+  valid_NxP: np.ndarray
+  references: Sequence[Any]
+  records: Sequence[dict] | None = None
+
+  def __len__(self) -> int:
+    return len(self.prompt_NxP)
+
+  def take(self, index) -> Prompts:
+    """The rows `index` (a slice or an integer array), in that order."""
+    rows = np.arange(len(self))[index]
+
+    def pick(seq):
+      if seq is None or isinstance(seq, np.ndarray):
+        return None if seq is None else seq[rows]
+      return [seq[int(i)] for i in rows]
+
+    return Prompts(self.prompt_NxP[rows], self.valid_NxP[rows], pick(self.references),
+                   pick(self.records))
+
+  def repeat(self, times: int) -> Prompts:
+    """Each row `times` times in a row (SD·RL groups): row i becomes rows i*G .. i*G+G-1."""
+    return self.take(np.repeat(np.arange(len(self)), times))
+
+
+class Task(abc.ABC):
+  """One task for SFT, evaluation and sampling: data, held-out metrics, text in and out.
+
+  Built by `diffgemma.tasks.make_task(config)` after the model architecture is final (a run
+  started from a checkpoint adopts the checkpoint's canvas length first). A task that SD·RL can
+  train on also implements `RlTask`.
+  """
+
+  name: str = ""
+  # The metric of `score` that sweeps, comparisons and the periodic eval report first.
+  headline_metric: str = "accuracy"
+
+  # ---------------------------------------------------------------- shapes and sampling
+
+  @property
+  @abc.abstractmethod
+  def layout(self) -> Layout:
+    """P, K, C of every training sequence and of the sampler's prompts and budget."""
+
+  @property
+  def stop_token_ids(self) -> tuple[int, ...]:
+    """Ids that end a reply besides the model's EOS (e.g. a chat model's end-of-turn)."""
+    return ()
+
+  @property
+  def min_vocab_size(self) -> int:
+    """The smallest model vocabulary that holds every id the task produces."""
+    return 0
+
+  # ---------------------------------------------------------------- training data
+
+  @abc.abstractmethod
+  def train_batches(self, batch_size: int, num_steps: int, start_step: int = 0,
+                    process_index: int = 0, process_count: int = 1) -> Iterator[dict]:
+    """Batches for steps start_step .. num_steps-1: dicts of numpy tokens / valid / loss_mask
+    [B / process_count, L]. A pure function of the step (a resumed run sees exactly the batches
+    an uninterrupted one would); process i gets its share of each global batch."""
+
+  def data_report(self) -> str | None:
+    """A few lines on the training data for the log (e.g. examples cut or dropped), or None."""
+    return None
+
+  # ---------------------------------------------------------------- evaluation
+
+  @abc.abstractmethod
+  def eval_prompts(self) -> Prompts | None:
+    """The held-out set of the periodic evaluation during training (None: none configured)."""
+
+  @abc.abstractmethod
+  def load_eval_file(self, path: str, limit: int | None = None) -> Prompts:
+    """A held-out set from a file (eval.py --data); one-line errors for malformed input."""
+
+  @abc.abstractmethod
+  def score(self, prompts: Prompts, tokens_NxL: np.ndarray, stats: dict[str, np.ndarray]
+            ) -> tuple[dict[str, float], list[dict]]:
+    """Metrics over generated replies (tokens [N, K*C] as the sampler returns them; per-row
+    sampler stats) and one prediction record per row (JSON-serialisable). Metrics include
+    the task's headline accuracy; generic code adds the sampler statistics."""
+
+  def plateau_warning(self, step: int, metrics: dict[str, float]) -> str | None:
+    """A one-line hint when periodic-eval metrics look unhealthy at `step`, else None."""
+    del step, metrics
+    return None
+
+  def profile_trajectory(self, prompts: Prompts, trajectory) -> dict | None:
+    """Optional per-denoising-step sums over recorded trajectories (eval.py --trajectory_stats):
+    {key: [N] float64} with a "rows" entry counting the examples that ran each step; sums, so
+    batches add up. None: the task has no profile."""
+    del prompts, trajectory
+    return None
+
+  def format_profile(self, profile: dict) -> str:
+    """A step profile (per-example means, as `evaluation.evaluate` returns it) as a table."""
+    return "\n".join(f"{key}: {values}" for key, values in profile.items())
+
+  # ---------------------------------------------------------------- sampling from text
+
+  @abc.abstractmethod
+  def prompt_from_text(self, text: str) -> Prompts:
+    """One prompt typed by a user (sample.py --prompt), validated, as a 1-row batch."""
+
+  @abc.abstractmethod
+  def prompt_text(self, prompts: Prompts, row: int = 0) -> str:
+    """Row `row`'s prompt as text for people."""
+
+  @abc.abstractmethod
+  def reply_text(self, tokens, prompts: Prompts | None = None, row: int = 0,
+                 first_slot: int = 0) -> str:
+    """Generated tokens as text for people (a chat reply; a Sudoku grid with its givens marked
+    when `prompts` is given). `first_slot`: where `tokens` start in the reply (a later canvas
+    shown on its own starts at k * C)."""
+
+  def verdict(self, prompts: Prompts, tokens, row: int = 0) -> str | None:
+    """A one-line judgement of a finished reply against the prompt (None: nothing to say)."""
+    del prompts, tokens, row
+    return None
+
+  @abc.abstractmethod
+  def token_strings(self, tokens: Sequence[int]) -> list[str]:
+    """Each token as a short string, for denoising traces."""
+
+  # ---------------------------------------------------------------- denoising traces
+
+  trace_suffixes: tuple[str, ...] = traces.HTML_SUFFIXES  # what write_trace can draw
+
+  def write_trace(self, path: str, prompts: Prompts, trajectory, row: int = 0) -> int:
+    """Row `row`'s denoising steps to `path` (HTML: the canvas tokens of every step, shaded by
+    entropy); returns the number of steps drawn."""
+    del prompts
+    return traces.write_text_trace(path, trajectory, self._token_string, row)
+
+  def log_traces(self, writer, step: int, prompts: Prompts, trajectory, rows=(0,)) -> None:
+    """A few rows' denoising steps to TensorBoard beside the periodic eval's scalars."""
+    del prompts
+    traces.log_text_traces(writer, step, trajectory, self._token_string, rows)
+
+  def _token_string(self, token: int) -> str:
+    return self.token_strings([token])[0]
+
+
+
+class RlTask(Task):
+  """A task SD·RL can train on: rollout prompts and a verifier's reward, on top of `Task`."""
+
+  @abc.abstractmethod
+  def rollout_prompts(self, iteration: int, num_prompts: int) -> Prompts:
+    """SD·RL iteration `iteration`'s prompts: a pure function of (config, iteration)."""
+
+  @abc.abstractmethod
+  def reward(self, prompts: Prompts, tokens_BxL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(score_B float in [0, 1], correct_B bool) of generated rows against their references."""
+
+  def token_weights(self, prompts: Prompts, tokens_BxL: np.ndarray) -> np.ndarray | None:
+    """Optional per-token weights [B, L] of the SD·RL distillation target (None: all 1)."""
+    del prompts, tokens_BxL
+    return None

@@ -1,0 +1,592 @@
+"""The chat task: SFT on JSONL conversations, text evaluation, SD·RL prompts and rewards.
+
+Built by `diffgemma.tasks.make_task` when `config.task.name == "chat"`. Every key it reads is
+documented in configs/sft_chat.py (sections data, eval, and sdrl.reward / sdrl.reward_fn).
+`from_config` loads the tokenizer, reads and checks every data file and lays the examples out,
+so a bad line or an overflow under `data.overflow="error"` fails before a run writes anything.
+Data formats, the canvas layout and the overflow policies: diffgemma/tasks/chat_data.py;
+metrics: diffgemma/tasks/text_metrics.py.
+
+The tokenizer (`data.tokenizer`): a directory holding tokenizer.json or tokenizer.model plus a
+chat template; "bytes" (diffgemma/io/tokenizer.py's byte-level tokenizer); empty = the run's
+`init_from` checkpoint directory.
+
+A user reward function (`sdrl.reward_fn="package.module:function"`) is called as
+`function(prompt, reply, reference) -> float` with the last user turn's text, the generated
+reply's text (up to its first stop token) and the reference reply; the value is clipped to
+[0, 1], and a row is "correct" when it scores 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+from collections.abc import Callable, Sequence
+
+import ml_collections
+import numpy as np
+
+from diffgemma import errors
+from diffgemma.io import tokenizer as tokenizer_lib
+from diffgemma.runs import checkpointing
+from diffgemma.tasks import chat_data, text_metrics
+from diffgemma.tasks.base import Layout, Prompts, RlTask
+
+DEFAULT_REWARD = "exact"
+# Seed streams of the two index orders drawn from the training split.
+_TRAIN_STREAM, _ROLLOUT_STREAM = 1, 2
+NO_TRAINING_DATA = "no training data: set data.train (e.g. --config.data.train=FILE.jsonl)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatSettings:
+  """The chat task's config keys, checked (configs/sft_chat.py documents each)."""
+
+  train: tuple[str, ...]
+  weights: tuple[float, ...]
+  eval_file: str
+  eval_fraction: float
+  tokenizer: str
+  prompt_len: int
+  num_canvases: int
+  overflow: str
+  seed: int
+  num_threads: int
+  prefetch: int
+  eval_num_examples: int
+  eval_seed: int
+  metric: str
+  answer_regex: str
+  reward: str
+  reward_fn: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One training example (ids already fitted to the layout) and its texts."""
+
+  prompt_ids: tuple[int, ...]
+  target_ids: tuple[int, ...]
+  source: str  # "file:line"
+  prompt_text: str  # the last user turn before the reply
+  reference: str  # the reply's content
+
+
+def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
+  """The chat keys of `config`, validated; ValueError (one line) if one is bad."""
+  data, ev = config.data, config.eval
+  train = _paths(data.get("train", ""), "data.train")
+  weights = _floats(data.get("weights", ""), "data.weights")
+  if weights and len(weights) != len(train):
+    raise ValueError(f"data.weights has {len(weights)} entries for {len(train)} data.train files")
+  if any(not (w > 0 and math.isfinite(w)) for w in weights):
+    raise ValueError(f"data.weights must be positive, got {list(weights)}")
+  eval_fraction = float(data.get("eval_fraction", 0.0))
+  if not 0.0 <= eval_fraction < 1.0:
+    raise ValueError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
+  eval_file = data.get("eval", "") or ""
+  if eval_file and eval_fraction:
+    raise ValueError("set data.eval (a held-out file) or data.eval_fraction, not both")
+  overflow = data.get("overflow", "truncate_left")
+  if overflow not in chat_data.OVERFLOW_POLICIES:
+    raise ValueError(f"unknown data.overflow {overflow!r}; choose one of "
+                     f"{chat_data.OVERFLOW_POLICIES}")
+  for key in ("prompt_len", "num_canvases"):
+    if int(data.get(key, 0)) < 1:
+      raise ValueError(f"data.{key} must be >= 1, got {data.get(key)}")
+  for key in ("num_threads", "prefetch"):
+    if int(data.get(key, 0)) < 0:
+      raise ValueError(f"data.{key} must be >= 0, got {data.get(key)}")
+  metric = ev.get("metric", "exact")
+  answer_regex = ev.get("answer_regex", "") or ""
+  try:
+    text_metrics.check_metric(metric, answer_regex)
+  except ValueError as e:
+    raise ValueError(f"eval.metric / eval.answer_regex: {e}") from None
+  if int(ev.get("num_examples", 0)) < 0:
+    raise ValueError(f"eval.num_examples must be >= 0, got {ev.get('num_examples')}")
+  sdrl = config.get("sdrl")
+  reward, reward_fn = DEFAULT_REWARD, ""
+  if sdrl is not None:
+    reward = sdrl.get("reward", DEFAULT_REWARD)
+    if isinstance(reward, (dict, ml_collections.ConfigDict)):  # a {"name": ...} section
+      reward = reward.get("name", DEFAULT_REWARD)
+    reward_fn = sdrl.get("reward_fn", "") or ""
+    if reward not in text_metrics.METRICS:
+      raise ValueError(f"unknown sdrl.reward {reward!r} for the chat task; choose one of "
+                       f"{text_metrics.METRICS} (or set sdrl.reward_fn)")
+    if reward == "regex" and not answer_regex:
+      raise ValueError("sdrl.reward='regex' needs eval.answer_regex")
+  return ChatSettings(
+      train=train, weights=weights, eval_file=eval_file, eval_fraction=eval_fraction,
+      tokenizer=data.get("tokenizer", "") or "", prompt_len=int(data.prompt_len),
+      num_canvases=int(data.num_canvases), overflow=overflow, seed=int(data.get("seed", 0)),
+      num_threads=int(data.get("num_threads", 1)), prefetch=int(data.get("prefetch", 4)),
+      eval_num_examples=int(ev.get("num_examples", 0)), eval_seed=int(ev.get("seed", 0)),
+      metric=metric, answer_regex=answer_regex, reward=reward, reward_fn=reward_fn)
+
+
+def tokenizer_source(directory: str) -> str:
+  """Where a checkpoint directory's tokenizer lives: the directory itself when it holds
+  tokenizer files; for a training workdir, its own tokenizer setting (`data.tokenizer`) or, if
+  that is empty, the tokenizer of the checkpoint it started from, recursively."""
+  if any(os.path.isfile(os.path.join(directory, f))
+         for f in (tokenizer_lib.TOKENIZER_JSON, tokenizer_lib.SENTENCEPIECE_MODEL)):
+    return directory
+  config_path = os.path.join(directory, "config.json")
+  if os.path.isdir(os.path.join(directory, "checkpoints")) and os.path.isfile(config_path):
+    saved = checkpointing.load_config(directory)
+    data = saved.get("data") or {}
+    if data.get("tokenizer"):
+      return data["tokenizer"]
+    if saved.get("init_from") and os.path.abspath(saved.init_from) != os.path.abspath(directory):
+      return tokenizer_source(saved.init_from)
+  return directory
+
+
+def load_tokenizer(settings: ChatSettings, init_from: str | None):
+  """The task's tokenizer (`data.tokenizer`, else the init_from checkpoint's, found through
+  training workdirs); it must have a chat template and an end-of-turn marker."""
+  source = settings.tokenizer or (tokenizer_source(init_from) if init_from else "")
+  if not source:
+    raise ValueError("no tokenizer: set data.tokenizer to a tokenizer directory or 'bytes', or "
+                     "start from a checkpoint with --init_from")
+  if source != tokenizer_lib.BYTES and not os.path.isdir(source):
+    raise ValueError(f"tokenizer directory {source} not found (data.tokenizer or --init_from)")
+  tok = tokenizer_lib.load_tokenizer(source)
+  if tok.chat_template is None:
+    raise tokenizer_lib.TokenizerError(
+        f"tokenizer in {source} has no chat template: add chat_template.jinja (or a "
+        "chat_template entry in tokenizer_config.json) beside it")
+  if tok.eot_id is None:
+    raise tokenizer_lib.TokenizerError(
+        f"tokenizer in {source} has no end-of-turn marker {tok.end_of_turn!r}")
+  return tok
+
+
+def load_reward_fn(spec: str) -> Callable[[str, str, str], float]:
+  """`package.module:function` imported; ValueError (one line) if it cannot be."""
+  module_name, sep, name = spec.partition(":")
+  if not sep or not module_name or not name:
+    raise ValueError(f"sdrl.reward_fn {spec!r} must look like 'package.module:function'")
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # anything the module raises on import
+    raise ValueError(f"sdrl.reward_fn: cannot import {module_name}: "
+                     f"{type(e).__name__}: {errors.one_line(e)}") from None
+  fn = getattr(module, name, None)
+  if not callable(fn):
+    raise ValueError(f"sdrl.reward_fn: {module_name} has no function {name!r}")
+  return fn
+
+
+class ChatTask(RlTask):
+  """Chat SFT on conversations (see the module docstring).
+
+  Beyond `Task`: `tokenizer`, `settings`, `data_report()`, `overflow_counts`, and
+  `describe_file(path)` (what the model sees, for scripts/show_examples.py).
+  """
+
+  name = "chat"
+  headline_metric = "accuracy"
+
+  def __init__(self, settings: ChatSettings, tok, layout: Layout):
+    self.settings, self.tokenizer, self._layout = settings, tok, layout
+    self._pattern = text_metrics.check_metric(settings.metric, settings.answer_regex)
+    self._reward_pattern = text_metrics.check_metric(settings.reward, settings.answer_regex)
+    self._reward_fn = load_reward_fn(settings.reward_fn) if settings.reward_fn else None
+    min_prompt = (1 if self._starts_with_bos() else 0) + len(self.generation_prompt_ids()) + 1
+    if layout.prompt_len < min_prompt:
+      raise ValueError(f"data.prompt_len={layout.prompt_len} cannot hold BOS, the generation "
+                       f"prompt and one token ({min_prompt}); raise it")
+    self.overflow_counts: dict[str, chat_data.OverflowCounts] = {}
+    self._orders = {}
+    self._files: list[str] = []
+    self._train: list[list[Example]] = []
+    held_out: list[chat_data.Conversation] = []
+    for f, path in enumerate(settings.train):
+      conversations = chat_data.read_jsonl(path)
+      train, held = chat_data.split_held_out(conversations, settings.eval_fraction,
+                                             settings.seed, f)
+      counts = chat_data.OverflowCounts()
+      examples = [e for c in train for e in self._examples(c, counts)]
+      if not examples:
+        raise chat_data.ChatDataError(f"{path}: no training example left after "
+                                      f"data.overflow={settings.overflow}")
+      self._files.append(path)
+      self._train.append(examples)
+      self.overflow_counts[path] = counts
+      held_out += held
+    if settings.eval_file:
+      held_out = chat_data.read_jsonl(settings.eval_file)
+    self._held_out = None
+    if held_out:
+      self._held_out = self._prompts_of(held_out, "held out")
+      if settings.eval_num_examples and len(self._held_out) > settings.eval_num_examples:
+        rng = np.random.default_rng(settings.eval_seed)
+        keep = np.sort(rng.permutation(len(self._held_out))[:settings.eval_num_examples])
+        self._held_out = self._held_out.take(keep)
+
+  # ---------------------------------------------------------------- shapes
+
+  @property
+  def layout(self) -> Layout:
+    return self._layout
+
+  @property
+  def stop_token_ids(self) -> tuple[int, ...]:
+    return self.tokenizer.stop_ids
+
+  @property
+  def min_vocab_size(self) -> int:
+    return self.tokenizer.vocab_size
+
+  # ---------------------------------------------------------------- examples
+
+  def generation_prompt_ids(self) -> list[int]:
+    """The ids the template adds for `add_generation_prompt` (what follows the common prefix of
+    a one-turn conversation rendered with and without it)."""
+    turn = [{"role": "user", "content": "x"}]
+    with_prompt = self.tokenizer.render(turn, add_generation_prompt=True)
+    without = self.tokenizer.render(turn, add_generation_prompt=False)
+    n = 0
+    while n < min(len(with_prompt), len(without)) and with_prompt[n] == without[n]:
+      n += 1
+    return with_prompt[n:]
+
+  def _starts_with_bos(self) -> bool:
+    ids = self.tokenizer.render([{"role": "user", "content": "x"}], add_generation_prompt=True)
+    return bool(ids) and ids[0] == self.tokenizer.bos_id
+
+  def _render_prompt(self, conversation: chat_data.Conversation, history: Sequence[dict]
+                     ) -> list[int]:
+    try:
+      return self.tokenizer.render(history, add_generation_prompt=True)
+    except tokenizer_lib.TokenizerError as e:
+      raise chat_data.ChatDataError(f"{conversation.source}: {e}") from None
+
+  def target_ids(self, content: str) -> list[int]:
+    """The supervised reply: its content, stripped, then the end-of-turn marker."""
+    return self.tokenizer.encode(content.strip()) + [self.tokenizer.eot_id]
+
+  def _examples(self, conversation: chat_data.Conversation, counts: chat_data.OverflowCounts
+                ) -> list[Example]:
+    """One example per assistant turn, fitted to the layout under the overflow policy."""
+    s, out = self.settings, []
+    for j, message in enumerate(conversation.messages):
+      if message["role"] != "assistant":
+        continue
+      history = conversation.messages[:j]
+      where = f"{conversation.source} (assistant turn {j + 1})"
+      prompt = chat_data.fit_prompt(self._render_prompt(conversation, history),
+                                    self._layout.prompt_len, self.tokenizer.bos_id, s.overflow,
+                                    where, counts)
+      if prompt is None:
+        continue
+      target = chat_data.fit_target(self.target_ids(message["content"]),
+                                    self._layout.response_len, s.overflow, where, counts)
+      if target is None:
+        continue
+      counts.examples += 1
+      out.append(Example(tuple(prompt), tuple(target), conversation.source,
+                         _last_user_text(history), message["content"]))
+    return out
+
+  def layout_example(self, example: Example) -> dict:
+    """tokens / valid / loss_mask [P + K*C] of one example (chat_data.layout_example)."""
+    return chat_data.layout_example(example.prompt_ids, example.target_ids, self._layout,
+                                    self.tokenizer.pad_id, self.tokenizer.eos_id)
+
+  def _prompts_of(self, conversations: Sequence[chat_data.Conversation], split: str) -> Prompts:
+    """Held-out prompts: each conversation's last assistant turn, its history as the prompt.
+    References must hold an answer under the metric."""
+    counts = chat_data.OverflowCounts()
+    rows, valids, references, records = [], [], [], []
+    for conversation in conversations:
+      messages = conversation.messages
+      j = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+      reference = messages[j]["content"]
+      if text_metrics.reference_answer(self.settings.metric, reference, self._pattern) is None:
+        raise chat_data.ChatDataError(
+            f"{conversation.source}: the reference reply has no answer under "
+            f"eval.metric={self.settings.metric!r}")
+      prompt = chat_data.fit_prompt(self._render_prompt(conversation, messages[:j]),
+                                    self._layout.prompt_len, self.tokenizer.bos_id,
+                                    self.settings.overflow, conversation.source, counts)
+      if prompt is None:
+        continue
+      counts.examples += 1
+      tokens, valid = chat_data.left_pad(prompt, self._layout.prompt_len, self.tokenizer.pad_id)
+      rows.append(tokens)
+      valids.append(valid)
+      references.append(reference)
+      records.append({"source": conversation.source, "prompt": _last_user_text(messages[:j])})
+    self.overflow_counts[split] = counts
+    if not rows:
+      raise chat_data.ChatDataError(f"no {split} example left after "
+                                    f"data.overflow={self.settings.overflow}")
+    return Prompts(np.stack(rows), np.stack(valids), references, records)
+
+  def _example_prompts(self, examples: Sequence[Example]) -> Prompts:
+    pads = [chat_data.left_pad(e.prompt_ids, self._layout.prompt_len, self.tokenizer.pad_id)
+            for e in examples]
+    return Prompts(np.stack([t for t, _ in pads]), np.stack([v for _, v in pads]),
+                   [e.reference for e in examples],
+                   [{"source": e.source, "prompt": e.prompt_text} for e in examples])
+
+  # ---------------------------------------------------------------- training data
+
+  def _order(self, stream: int):
+    """The (file, example) order of a seed stream (cached: building it lists every example)."""
+    if stream not in self._orders:
+      sizes = [len(examples) for examples in self._train]
+      weights = self.settings.weights or tuple(float(n) for n in sizes)
+      self._orders[stream] = chat_data.mixed_order(sizes, weights, self.settings.seed, stream)
+    return self._orders[stream]
+
+  def _require_train(self):
+    if not self._train:
+      raise ValueError(NO_TRAINING_DATA)
+
+  def train_batches(self, batch_size: int, num_steps: int, start_step: int = 0,
+                    process_index: int = 0, process_count: int = 1):
+    """Batches of tokens / valid / loss_mask [B / process_count, P + K*C]. Raises at the call
+    (not on the first batch) when there is no training data."""
+    self._require_train()
+    order = self._order(_TRAIN_STREAM)
+    example_fn = lambda pair: self.layout_example(self._train[pair[0]][pair[1]])
+    return chat_data.batches(order, example_fn, batch_size, num_steps, start_step,
+                             process_index, process_count, self.settings.num_threads,
+                             self.settings.prefetch)
+
+  def train_examples(self, start: int, count: int) -> list[Example]:
+    """Records start .. start+count-1 of the training order (what train_batches lays out)."""
+    self._require_train()
+    order = self._order(_TRAIN_STREAM)
+    return [self._train[f][i] for f, i in (order[r] for r in range(start, start + count))]
+
+  def data_report(self) -> str:
+    """One line per data file: examples kept and what the overflow policy did; the held-out
+    set. For the trainer to print once."""
+    s = self.settings
+    lines = []
+    weights = s.weights or tuple(float(len(e)) for e in self._train)
+    total = sum(weights) or 1.0
+    for path, w in zip(self._files, weights):
+      lines.append(f"train {path}: {self.overflow_counts[path].describe()}, mixing weight "
+                   f"{w / total:.3f}")
+    if not self._files:
+      lines.append("train: none (data.train is empty)")
+    if "held out" in self.overflow_counts:
+      origin = s.eval_file or f"data.eval_fraction={s.eval_fraction}"
+      lines.append(f"held out ({origin}): {self.overflow_counts['held out'].describe()}"
+                   + (f", {len(self._held_out)} used by the periodic eval"
+                      if self._held_out is not None else ""))
+    lines.append(f"layout: prompt {self._layout.prompt_len}, {self._layout.num_canvases} canvases "
+                 f"of {self._layout.canvas_length}; data.overflow={s.overflow}; tokenizer "
+                 f"{self.tokenizer.directory} ({self.tokenizer.vocab_size} ids)")
+    return "\n".join(lines)
+
+  def describe_file(self, path: str, limit: int | None = None) -> list[dict]:
+    """What training sees of a data file, example by example (after the overflow policy):
+    source, prompt_text / target_text (specials shown), prompt_ids (BOS included, no padding),
+    target_ids (the supervised ids of every valid canvas, EOS fill included), num_canvases."""
+    counts, out = chat_data.OverflowCounts(), []
+    for conversation in chat_data.read_jsonl(path):
+      for example in self._examples(conversation, counts):
+        seq = self.layout_example(example)
+        response = seq["tokens"][self._layout.prompt_len:]
+        supervised = seq["loss_mask"][self._layout.prompt_len:]
+        target = [int(t) for t in response[supervised]]
+        out.append({
+            "source": example.source,
+            "prompt_text": self.tokenizer.decode(example.prompt_ids, skip_special_tokens=False),
+            "target_text": self.tokenizer.decode(target, skip_special_tokens=False),
+            "prompt_ids": list(example.prompt_ids), "target_ids": target,
+            "num_canvases": len(target) // self._layout.canvas_length})
+        if limit is not None and len(out) >= limit:
+          break
+      if limit is not None and len(out) >= limit:
+        break
+    self.overflow_counts[path] = counts
+    return out
+
+  # ---------------------------------------------------------------- evaluation
+
+  def eval_prompts(self) -> Prompts | None:
+    return self._held_out
+
+  def load_eval_file(self, path: str, limit: int | None = None) -> Prompts:
+    conversations = chat_data.read_jsonl(path)
+    if limit is not None:
+      conversations = conversations[:limit]
+    return self._prompts_of(conversations, path)
+
+  def reply_ids(self, tokens_L: np.ndarray) -> list[int]:
+    """A generated row's reply: the ids before the first stop id, pads dropped. A full
+    sequence (P + K*C) is cut to its generated part first."""
+    tokens = np.asarray(tokens_L).reshape(-1)
+    if len(tokens) == self._layout.seq_len:
+      tokens = tokens[self._layout.prompt_len:]
+    stops, pad = set(self.tokenizer.stop_ids), self.tokenizer.pad_id
+    reply = []
+    for t in tokens.tolist():
+      if t in stops:
+        break
+      if t != pad:
+        reply.append(t)
+    return reply
+
+  def _stopped(self, tokens_L: np.ndarray) -> bool:
+    return bool(np.isin(np.asarray(tokens_L), self.tokenizer.stop_ids).any())
+
+  def reply_text(self, tokens, prompts=None, row=0, first_slot=0) -> str:
+    """The reply up to its first stop token, decoded (a canvas shown on its own: its text)."""
+    del prompts, row, first_slot  # a canvas's text reads the same wherever it sits
+    return self.tokenizer.decode(self.reply_ids(tokens))
+
+  def prompt_text(self, prompts: Prompts, row: int = 0) -> str:
+    ids = np.asarray(prompts.prompt_NxP[row])[np.asarray(prompts.valid_NxP[row], bool)]
+    return self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+
+  def score(self, prompts: Prompts, tokens_NxL: np.ndarray, stats: dict[str, np.ndarray]
+            ) -> tuple[dict[str, float], list[dict]]:
+    """accuracy (eval.metric), answered (an answer could be extracted), stopped (the reply
+    ended with a stop token within the budget), canvases_per_reply (from stats["num_canvases"]
+    when the sampler gives it); one record per row: source, prompt, reply, reference, correct,
+    answer, reference_answer."""
+    records, correct, answered, stopped = [], [], [], []
+    for i, row in enumerate(np.asarray(tokens_NxL)):
+      reply = self.reply_text(row)
+      verdict = text_metrics.judge(self.settings.metric, reply, prompts.references[i],
+                                   self._pattern)
+      record = dict(prompts.records[i]) if prompts.records else {}
+      record.update(reply=reply, reference=prompts.references[i], correct=verdict.correct,
+                    answer=verdict.answer, reference_answer=verdict.reference_answer)
+      records.append(record)
+      correct.append(verdict.correct)
+      answered.append(verdict.answer is not None)
+      stopped.append(self._stopped(row))
+    metrics = {"accuracy": float(np.mean(correct)) if correct else 0.0,
+               "answered": float(np.mean(answered)) if answered else 0.0,
+               "stopped": float(np.mean(stopped)) if stopped else 0.0}
+    if "num_canvases" in stats:
+      metrics["canvases_per_reply"] = float(np.mean(stats["num_canvases"]))
+    return metrics, records
+
+  # ---------------------------------------------------------------- sampling from text
+
+  def prompt_from_text(self, text: str) -> Prompts:
+    if not text.strip():
+      raise ValueError("the prompt is empty")
+    counts = chat_data.OverflowCounts()
+    policy = "error" if self.settings.overflow == "drop" else self.settings.overflow
+    ids = chat_data.fit_prompt(self.tokenizer.chat_prompt(text), self._layout.prompt_len,
+                               self.tokenizer.bos_id, policy, "--prompt", counts)
+    tokens, valid = chat_data.left_pad(ids, self._layout.prompt_len, self.tokenizer.pad_id)
+    return Prompts(tokens[None], valid[None], [None], [{"prompt": text}])
+
+  def token_strings(self, tokens: Sequence[int]) -> list[str]:
+    out = []
+    for t in tokens:
+      t = int(t)
+      out.append(self.tokenizer.decode([t], skip_special_tokens=False)
+                 if 0 <= t < self.tokenizer.vocab_size else f"<id {t}>")
+    return out
+
+  # ---------------------------------------------------------------- SD·RL
+
+  def rollout_prompts(self, iteration: int, num_prompts: int) -> Prompts:
+    """Training examples iteration*n .. iteration*n + n-1 of a seeded order of the training
+    split (files mixed by weight, reshuffled every epoch), their replies as references."""
+    self._require_train()
+    order = self._order(_ROLLOUT_STREAM)
+    start = iteration * num_prompts
+    examples = [self._train[f][i] for f, i in (order[r] for r in range(start,
+                                                                        start + num_prompts))]
+    return self._example_prompts(examples)
+
+  def reward(self, prompts: Prompts, tokens_BxL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """sdrl.reward's verdict (1 or 0), or sdrl.reward_fn's value clipped to [0, 1]."""
+    scores = []
+    for i, row in enumerate(np.asarray(tokens_BxL)):
+      reply, reference = self.reply_text(row), prompts.references[i]
+      if self._reward_fn is None:
+        scores.append(float(text_metrics.judge(self.settings.reward, reply, reference,
+                                               self._reward_pattern).correct))
+        continue
+      prompt = (prompts.records[i] or {}).get("prompt", "") if prompts.records else ""
+      value = self._reward_fn(prompt, reply, reference)
+      try:
+        value = float(value)
+      except (TypeError, ValueError):
+        raise ValueError(f"sdrl.reward_fn {self.settings.reward_fn} returned {value!r}, not a "
+                         "number") from None
+      if not math.isfinite(value):
+        raise ValueError(f"sdrl.reward_fn {self.settings.reward_fn} returned {value}")
+      scores.append(min(max(value, 0.0), 1.0))
+    score_B = np.asarray(scores, np.float32)
+    return score_B, score_B >= 1.0
+
+
+def from_config(config: ml_collections.ConfigDict, training: bool = True,
+                planning: bool = False) -> ChatTask:
+  """The chat task of a run config (`config.init_from`: the checkpoint the run starts from, if
+  any; its tokenizer is the default). Reads and checks all data; ValueError (one line), also
+  when training has no data.train. With `training=False` (evaluating or sampling a finished
+  run) the training files are not read.
+  `planning` (--dry_run): a memory plan needs the layout only, so without a tokenizer or an
+  init_from the byte tokenizer stands in."""
+  settings = settings_from_config(config)
+  if not training:
+    settings = dataclasses.replace(settings, train=(), weights=(), eval_file="",
+                                   eval_fraction=0.0)
+  elif not planning and not settings.train:
+    raise ValueError(NO_TRAINING_DATA)
+  if planning and not settings.tokenizer and not config.get("init_from"):
+    settings = dataclasses.replace(settings, tokenizer=tokenizer_lib.BYTES)
+  tok = load_tokenizer(settings, config.get("init_from"))
+  model = config.model
+  for name, ours in (("pad", tok.pad_id), ("eos", tok.eos_id), ("bos", tok.bos_id)):
+    theirs = model.get(f"{name}_token_id")
+    if theirs is not None and theirs != ours:
+      raise ValueError(f"the tokenizer's {name} id is {ours} but model.{name}_token_id is "
+                       f"{theirs}; use the model's own tokenizer")
+  layout = Layout(settings.prompt_len, settings.num_canvases, int(model.canvas_length))
+  return ChatTask(settings, tok, layout)
+
+
+def _last_user_text(history: Sequence[dict]) -> str:
+  return next((m["content"] for m in reversed(history) if m["role"] == "user"), "")
+
+
+def _paths(value, key: str) -> tuple[str, ...]:
+  """A path, comma-separated paths, or a list of paths."""
+  if isinstance(value, str):
+    items = value.split(",") if value else []
+  elif isinstance(value, (list, tuple)):
+    items = list(value)
+  else:
+    raise ValueError(f"{key} must be a path or a list of paths, got {value!r}")
+  items = [str(p).strip() for p in items]
+  if any(not p for p in items):
+    raise ValueError(f"{key} has an empty path: {value!r}")
+  return tuple(items)
+
+
+def _floats(value, key: str) -> tuple[float, ...]:
+  if isinstance(value, str):
+    items = value.split(",") if value.strip() else []
+  elif isinstance(value, (list, tuple)):
+    items = list(value)
+  elif isinstance(value, (int, float)):
+    items = [value]
+  else:
+    raise ValueError(f"{key} must be a list of numbers, got {value!r}")
+  try:
+    return tuple(float(x) for x in items)
+  except (TypeError, ValueError):
+    raise ValueError(f"{key} must be a list of numbers, got {value!r}") from None
+

@@ -1,0 +1,292 @@
+"""Chat data for the chat task: JSONL readers, examples, the canvas layout and the grain pipeline.
+
+Formats (one JSON object per line; blank lines are skipped):
+  {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
+  {"prompt": "...", "completion": "..."}                  -> one user turn, one assistant turn
+  {"conversations": [{"from": "system" | "human" | "gpt", "value": "..."}, ...]}   (ShareGPT)
+Every line is checked: valid JSON, one of the formats, known roles, non-empty string contents, an
+assistant turn, and a user turn before the first assistant turn. A bad line is a `ChatDataError`
+naming the file and line.
+
+Examples. A conversation gives one training example per assistant turn: the prompt is the chat
+template's rendering of the turns before it with the generation prompt (BOS included); the
+target is the turn's content (stripped, as Gemma's templates render it) then the end-of-turn
+marker. A held-out (evaluation) example is a conversation's last assistant turn; its reference
+is that turn's content.
+
+Layout (static shapes: `Layout` P, K, C):
+  tokens   [P + K*C]: the prompt left-padded with PAD to P, then the target, then EOS up to the
+           end of its last canvas, then PAD canvases;
+  valid    False on the prompt's padding and on the PAD canvases (never attended);
+  loss_mask True on every slot of the target's canvases (EOS fill included: the sampler learns
+           to stop), False elsewhere.
+Overflow (`data.overflow`), counted per policy by `OverflowCounts`:
+  prompt longer than P:   truncate_left keeps BOS and the last P - 1 ids (the newest turns and
+                          the generation prompt); drop skips the example; error raises.
+  target longer than K*C: truncate_left keeps the first K*C ids (the reply's beginning; no
+                          end-of-turn then, as the reply goes on past the budget); drop; error.
+
+Pipeline: record r of training is a pure function of r (r = step * B + row): each file's
+examples in a seeded order that changes every epoch, files mixed by weight. A resumed run
+therefore sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from diffgemma import errors
+from diffgemma.tasks.base import Layout
+
+OVERFLOW_POLICIES = ("truncate_left", "drop", "error")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+ROLES = ("system", "user", "assistant")
+
+
+class ChatDataError(errors.InputError):
+  """A malformed data file or example; one line naming the file (and line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+  """The messages of one JSONL line: dicts {"role", "content"}, roles in ROLES."""
+
+  path: str
+  line: int
+  messages: tuple[dict, ...]
+
+  @property
+  def source(self) -> str:
+    return f"{self.path}:{self.line}"
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_jsonl(path: str) -> list[Conversation]:
+  """Every conversation of a JSONL file, each line checked (see the module docstring).
+
+  Raises:
+    ChatDataError: the file cannot be read, is empty, or a line is malformed.
+  """
+  if not os.path.isfile(path):
+    raise ChatDataError(f"data file {path} not found")
+  conversations = []
+  try:
+    with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is not content
+      for number, text in enumerate(f, start=1):
+        if not text.strip():
+          continue
+        try:
+          record = json.loads(text)
+        except ValueError as e:
+          raise ChatDataError(f"{path}:{number}: not JSON ({_first_line(e)})") from None
+        try:
+          messages = parse_record(record)
+        except ValueError as e:
+          raise ChatDataError(f"{path}:{number}: {e}") from None
+        conversations.append(Conversation(path, number, messages))
+  except (OSError, UnicodeDecodeError) as e:
+    raise ChatDataError(f"cannot read {path}: {_first_line(e)}") from None
+  if not conversations:
+    raise ChatDataError(f"data file {path} has no examples")
+  return conversations
+
+
+def parse_record(record) -> tuple[dict, ...]:
+  """A record in one of the three formats as messages; ValueError (one line) if malformed."""
+  if not isinstance(record, dict):
+    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+  if "messages" in record:
+    raw, role_key, text_key, roles = record["messages"], "role", "content", {r: r for r in ROLES}
+  elif "conversations" in record:
+    raw, role_key, text_key, roles = record["conversations"], "from", "value", SHAREGPT_ROLES
+  elif "prompt" in record or "completion" in record:
+    raw = [{"role": "user", "content": record.get("prompt")},
+           {"role": "assistant", "content": record.get("completion")}]
+    role_key, text_key, roles = "role", "content", {r: r for r in ROLES}
+  else:
+    raise ValueError('expected "messages", "prompt"/"completion" or "conversations"; got keys '
+                     f"{sorted(record)}")
+  if not isinstance(raw, list) or not raw:
+    raise ValueError("the conversation must be a non-empty list of turns")
+  messages = []
+  for i, turn in enumerate(raw, start=1):
+    if not isinstance(turn, dict):
+      raise ValueError(f"turn {i} is not an object")
+    role = turn.get(role_key)
+    if role not in roles:
+      raise ValueError(f"turn {i} has unknown role {role!r}; expected one of {tuple(roles)}")
+    content = turn.get(text_key)
+    if not isinstance(content, str):
+      raise ValueError(f"turn {i} ({role}) has no string {text_key!r}")
+    if not content.strip():
+      raise ValueError(f"turn {i} ({role}) is empty")
+    messages.append({"role": roles[role], "content": content})
+  kinds = [m["role"] for m in messages]
+  if "assistant" not in kinds:
+    raise ValueError("no assistant turn")
+  first = kinds.index("assistant")
+  if "user" not in kinds[:first]:
+    raise ValueError(f"assistant turn {first + 1} comes before any user turn")
+  return tuple(messages)
+
+
+# ----------------------------------------------------------------------------- overflow
+
+
+@dataclasses.dataclass
+class OverflowCounts:
+  """How many examples each overflow policy touched (prompts and targets separately)."""
+
+  examples: int = 0  # examples kept
+  prompt_truncated: int = 0
+  prompt_dropped: int = 0
+  target_truncated: int = 0
+  target_dropped: int = 0
+
+  def add(self, other: OverflowCounts) -> OverflowCounts:
+    return OverflowCounts(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                                  dataclasses.astuple(other))))
+
+  def describe(self) -> str:
+    touched = [f"{n} {what}" for n, what in (
+        (self.prompt_truncated, "prompts cut from the left"),
+        (self.prompt_dropped, "dropped for a long prompt"),
+        (self.target_truncated, "replies cut to the canvases"),
+        (self.target_dropped, "dropped for a long reply")) if n]
+    noun = "example" if self.examples == 1 else "examples"
+    return f"{self.examples} {noun}" + (f" ({', '.join(touched)})" if touched else "")
+
+
+def fit_prompt(ids: Sequence[int], prompt_len: int, bos_id: int, policy: str, where: str,
+               counts: OverflowCounts) -> list[int] | None:
+  """The prompt ids cut to `prompt_len` under `policy` (None: drop the example)."""
+  ids = list(ids)
+  if len(ids) <= prompt_len:
+    return ids
+  if policy == "error":
+    raise ChatDataError(f"{where}: the prompt is {len(ids)} tokens, longer than "
+                        f"data.prompt_len={prompt_len}; raise it or set data.overflow to "
+                        "truncate_left or drop")
+  if policy == "drop":
+    counts.prompt_dropped += 1
+    return None
+  counts.prompt_truncated += 1
+  head = ids[:1] if ids[0] == bos_id else []
+  return head + ids[len(ids) - (prompt_len - len(head)):]
+
+
+def fit_target(ids: Sequence[int], response_len: int, policy: str, where: str,
+               counts: OverflowCounts) -> list[int] | None:
+  """The target ids cut to `response_len` = K * C under `policy` (None: drop the example)."""
+  ids = list(ids)
+  if len(ids) <= response_len:
+    return ids
+  if policy == "error":
+    raise ChatDataError(f"{where}: the reply is {len(ids)} tokens with its end-of-turn, longer "
+                        f"than data.num_canvases x canvas_length = {response_len}; raise "
+                        "data.num_canvases or set data.overflow to truncate_left or drop")
+  if policy == "drop":
+    counts.target_dropped += 1
+    return None
+  counts.target_truncated += 1
+  return ids[:response_len]
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def num_target_canvases(target_len: int, canvas_len: int) -> int:
+  """Canvases a target of this many ids occupies (at least one)."""
+  return max(1, -(-target_len // canvas_len))
+
+
+def left_pad(ids: Sequence[int], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens [length] int32, valid [length] bool) of `ids` left-padded with `pad_id`."""
+  n = len(ids)
+  if n > length:
+    raise ValueError(f"{n} ids do not fit {length} slots")
+  tokens = np.full(length, pad_id, np.int32)
+  tokens[length - n:] = ids
+  return tokens, np.arange(length) >= length - n
+
+
+def layout_example(prompt_ids: Sequence[int], target_ids: Sequence[int], layout: Layout,
+                   pad_id: int, eos_id: int) -> dict:
+  """One training sequence (module docstring): tokens int32, valid and loss_mask bool, each
+  [P + K*C]. The ids must already fit (`fit_prompt`, `fit_target`)."""
+  p, c, r = layout.prompt_len, layout.canvas_length, layout.response_len
+  prompt, prompt_valid = left_pad(prompt_ids, p, pad_id)
+  n = len(target_ids)
+  if n > r:
+    raise ValueError(f"a target of {n} ids does not fit {r} canvas slots")
+  filled = num_target_canvases(n, c) * c
+  response = np.full(r, pad_id, np.int32)
+  response[:filled] = eos_id
+  response[:n] = target_ids
+  supervised = np.arange(r) < filled
+  return {"tokens": np.concatenate([prompt, response]),
+          "valid": np.concatenate([prompt_valid, supervised]),
+          "loss_mask": np.concatenate([np.zeros(p, bool), supervised])}
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def mixed_order(sizes: Sequence[int], weights: Sequence[float], seed: int, stream: int = 0
+                ) -> grain.MapDataset:
+  """An infinite index dataset of (file, example) pairs: each file's examples shuffled anew
+  every epoch (seeded per file and stream), files interleaved in proportion to `weights`.
+  Entry r is a pure function of (sizes, weights, seed, stream, r)."""
+  parts = []
+  for f, size in enumerate(sizes):
+    pairs = [(f, i) for i in range(size)]
+    file_seed = int(np.random.default_rng([seed, stream, f]).integers(0, 2**32))
+    parts.append(grain.MapDataset.source(pairs).shuffle(file_seed).repeat())
+  if len(parts) == 1:
+    return parts[0]
+  return grain.MapDataset.mix(parts, list(weights))
+
+
+def batches(order: grain.MapDataset, example_fn, batch_size: int, num_steps: int,
+            start_step: int, process_index: int, process_count: int, num_threads: int,
+            prefetch: int):
+  """Iterator of batches for steps start_step .. num_steps-1: record r = step * B + row of
+  `order` through `example_fn`; process i gets rows [i*B/n, (i+1)*B/n) of each global batch."""
+  if batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
+  local = batch_size // process_count
+  rows = np.arange(start_step * batch_size, num_steps * batch_size).reshape(-1, batch_size)
+  rows = rows[:, process_index * local:(process_index + 1) * local].reshape(-1)
+  dataset = (grain.MapDataset.range(len(rows)).map(lambda i: example_fn(order[int(rows[i])]))
+             .batch(local, drop_remainder=True))
+  read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+  return iter(dataset.to_iter_dataset(read))
+
+
+def split_held_out(conversations: Sequence[Conversation], fraction: float, seed: int,
+                   file_index: int) -> tuple[list[Conversation], list[Conversation]]:
+  """(train, held out): round(fraction * n) whole conversations of one file held out, chosen
+  by a seeded permutation (at least one when fraction > 0, at least one left to train on)."""
+  n = len(conversations)
+  if fraction <= 0:
+    return list(conversations), []
+  k = min(max(1, round(fraction * n)), n - 1)
+  if k < 1:
+    raise ChatDataError(f"{conversations[0].path} has one conversation: nothing to hold out "
+                        "with data.eval_fraction > 0")
+  held = set(np.random.default_rng([seed, file_index]).permutation(n)[:k].tolist())
+  return ([c for i, c in enumerate(conversations) if i not in held],
+          [c for i, c in enumerate(conversations) if i in held])
+
+
+def _first_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return lines[0] if lines else type(e).__name__

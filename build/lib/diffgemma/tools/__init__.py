@@ -1,0 +1,1 @@
+"""Tools above training: run comparison, sweeps, lowering for accelerators."""

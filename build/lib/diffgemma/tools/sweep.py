@@ -1,0 +1,299 @@
+"""Sweeps: the cross product of config overrides, run as ordinary `train.py` processes.
+
+Each point of the grid is one workdir under the sweep's root, named by its grid overrides in
+command-line order (`ROOT/optimizer.lr=3e-3,model.num_layers=2`); `--set` overrides apply to
+every point and do not enter the name. Values are strings parsed exactly as train.py parses
+`--config.KEY=VALUE` (`cli.parse_config`), and every point's config is parsed and validated
+before any process starts, so a bad key, a value of the wrong type or an inconsistent config is
+one line and nothing runs.
+
+A point is finished when its last training invocation ended at num_train_steps or on its
+max_train_minutes deadline (`provenance.finished`, from run_info.json), or, for a run whose
+loop did not record that, when its latest checkpoint is at num_train_steps. Rerunning a sweep
+skips finished points, resumes unfinished ones (train.py resumes a workdir exactly) and leaves
+alone a point whose trainer is still alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from diffgemma import cli
+from diffgemma.runs import provenance
+from diffgemma.tools import compare
+
+TRAIN_PY = os.path.join(provenance.REPO_ROOT, "train.py")
+EVAL_PY = os.path.join(provenance.REPO_ROOT, "eval.py")
+LOG_NAME = "train.log"  # each point's train.py output, appended per invocation
+MAX_NAME_BYTES = 255  # a file name's limit on common file systems
+_POLL_S = 0.5
+_INTERRUPT_GRACE_S = 60
+
+FINISHED, RESUME, NEW, RUNNING = "finished", "resume", "new", "running"
+
+
+def parse_assignment(text: str, flag: str) -> tuple[str, str]:
+  """"KEY=VALUE" -> (KEY, VALUE); UserError when it is not of that form."""
+  key, sep, value = text.partition("=")
+  key = key.strip().removeprefix("config.")
+  if not sep or not key or not value:
+    raise cli.UserError(f"--{flag} {text!r}: expected KEY=VALUE"
+                        + ("S (comma-separated)" if flag == "grid" else ""))
+  return key, value
+
+
+def parse_grids(specs: list[str]) -> list[tuple[str, list[str]]]:
+  """["KEY=V1,V2", ...] -> [(KEY, [V1, V2]), ...], in the given order."""
+  grids = []
+  for spec in specs:
+    key, values = parse_assignment(spec, "grid")
+    values = [v.strip() for v in values.split(",")]
+    if any(not v for v in values):
+      raise cli.UserError(f"--grid {spec!r}: empty value in the list")
+    if len(set(values)) != len(values):
+      raise cli.UserError(f"--grid {spec!r}: a value appears twice")
+    if key in (k for k, _ in grids):
+      raise cli.UserError(f"--grid: key {key!r} is given twice; list all its values in one "
+                          "--grid")
+    grids.append((key, values))
+  return grids
+
+
+def point_name(assignments: list[tuple[str, str]]) -> str:
+  """The workdir name of a grid point: "k1=v1,k2=v2" (a '/' in a value becomes '_')."""
+  return ",".join(f"{k}={v.replace(os.sep, '_')}" for k, v in assignments)
+
+
+def overrides(assignments: list[tuple[str, str]]) -> list[str]:
+  return [f"--config.{k}={v}" for k, v in assignments]
+
+
+@dataclasses.dataclass
+class Point:
+  name: str
+  workdir: str
+  grid: list  # [(key, value string)]: this point's grid coordinates
+  config: object  # the parsed ConfigDict train.py will see
+  status: str = NEW  # FINISHED | RESUME | NEW | RUNNING
+
+  @property
+  def num_train_steps(self) -> int:
+    return int(self.config.num_train_steps)
+
+
+def validate_config(config, name: str, init_from: str | None = None) -> None:
+  """What train.py checks before it writes anything (`loop.prepare_config`)."""
+  from diffgemma import errors
+  from diffgemma.training import loop
+
+  try:
+    loop.prepare_config(config, None, init_from, planning=True)
+  except (errors.ConfigError, errors.InputError) as e:
+    raise cli.UserError(f"point {name}: {errors.one_line(e)}") from None
+
+
+def _value_at(flat: dict, key: str):
+  """A flattened config's value at `key` (None when absent)."""
+  value = flat.get(key)
+  return tuple(value) if isinstance(value, list) else value
+
+
+def _check_existing(point: Point, keys: list[str], init_from: str | None) -> None:
+  """A workdir from an earlier sweep must have been run with the same overrides (the `--set`
+  ones are not in its name)."""
+  saved_path = os.path.join(point.workdir, "config.json")
+  if not os.path.isfile(saved_path):
+    return
+  with open(saved_path) as f:
+    saved = compare.flatten(json.load(f))
+  wanted = compare.flatten(point.config.to_dict())
+  for key in keys:
+    old, new = _value_at(saved, key), _value_at(wanted, key)
+    if old != new:
+      raise cli.UserError(
+          f"{point.workdir} was run with {key}={compare.format_value(old)}, this sweep asks "
+          f"for {compare.format_value(new)}; use another --root")
+  if init_from and saved.get("init_from") not in (None, os.path.abspath(init_from)):
+    raise cli.UserError(f"{point.workdir} was initialised from {saved['init_from']}, not "
+                        f"{init_from}; use another --root")
+
+
+def point_status(point: Point) -> str:
+  if provenance.running(point.workdir):
+    return RUNNING
+  if provenance.finished(point.workdir):
+    return FINISHED
+  if not os.path.isdir(os.path.join(point.workdir, "checkpoints")):
+    return NEW
+  from diffgemma.runs import checkpointing
+
+  step = checkpointing.latest_step(point.workdir)
+  if step is None:
+    return NEW
+  return FINISHED if step >= point.num_train_steps else RESUME
+
+
+def plan(config_path: str, root: str, grid_specs: list[str], set_specs: list[str],
+         init_from: str | None = None) -> list[Point]:
+  """Parse, validate and classify every point; raises UserError before anything runs."""
+  grids = parse_grids(grid_specs)
+  if not grids:
+    raise cli.UserError("give at least one --grid KEY=V1,V2,...")
+  sets = [parse_assignment(s, "set") for s in set_specs]
+  for key, _ in sets:
+    if key in dict(grids):
+      raise cli.UserError(f"key {key!r} is in both --grid and --set")
+  if init_from is not None and not os.path.exists(init_from):
+    raise cli.UserError(f"--init_from {init_from!r} does not exist")
+  points = []
+  for combo in itertools.product(*[[(k, v) for v in values] for k, values in grids]):
+    grid = list(combo)
+    name = point_name(grid)
+    if len(name.encode()) > MAX_NAME_BYTES:
+      raise cli.UserError(f"point name {name[:60]!r}... is longer than {MAX_NAME_BYTES} bytes")
+    config = cli.parse_config(config_path, overrides(sets + grid))
+    validate_config(config, name, init_from)
+    points.append(Point(name, os.path.join(os.path.abspath(root), name), grid, config))
+  keys = [k for k, _ in sets] + [k for k, _ in grids]
+  for point in points:
+    _check_existing(point, keys, init_from)
+    point.status = point_status(point)
+  return points
+
+
+def train_command(config_path: str, point: Point, set_specs: list[tuple[str, str]],
+                  init_from: str | None) -> list[str]:
+  command = [sys.executable, TRAIN_PY, f"--config={config_path}", f"--workdir={point.workdir}",
+             *overrides(set_specs + point.grid)]
+  return command + ([f"--init_from={init_from}"] if init_from else [])
+
+
+@dataclasses.dataclass
+class Job:
+  """One subprocess: its command, where its output goes, what to say when it ends."""
+  name: str
+  command: list[str]
+  log_path: str
+  stdout_path: str | None = None  # else stdout goes to the log too
+  on_exit: Callable[[int], str] | None = None  # rc -> a line for the user
+
+
+def run_jobs(jobs: list[Job], parallel: int, out=print) -> dict[str, int]:
+  """Run the jobs, at most `parallel` at a time, each writing its output to its log (appended);
+  returns {name: exit code}. Ctrl-C interrupts the running ones (each saves nothing past its
+  last checkpoint; a rerun resumes there) and re-raises."""
+  pending, active, codes = list(jobs), {}, {}
+  total = len(jobs)
+  try:
+    while pending or active:
+      while pending and len(active) < parallel:
+        job = pending.pop(0)
+        os.makedirs(os.path.dirname(job.log_path), exist_ok=True)
+        log = open(job.log_path, "a")
+        log.write(f"\n=== {provenance.now()} {shlex.join(job.command)}\n")
+        log.flush()
+        stdout = open(job.stdout_path, "w") if job.stdout_path else log
+        proc = subprocess.Popen(job.command, stdout=stdout, stderr=log,
+                                stdin=subprocess.DEVNULL)
+        active[job.name] = (job, proc, log, stdout, time.time())
+        out(f"[{len(codes) + len(active)}/{total}] started {job.name} (log: {job.log_path})")
+      for name, (job, proc, log, stdout, start) in list(active.items()):
+        rc = proc.poll()
+        if rc is None:
+          continue
+        log.close()
+        if stdout is not log:
+          stdout.close()
+        del active[name]
+        codes[name] = rc
+        minutes = (time.time() - start) / 60
+        line = job.on_exit(rc) if job.on_exit else ""
+        if rc == 0:
+          out(f"done {name} in {minutes:.1f} min{': ' + line if line else ''}")
+        else:
+          out(f"FAILED {name} (exit code {rc}) after {minutes:.1f} min: {_last_line(job.log_path)}")
+      if active:
+        time.sleep(_POLL_S)
+  except KeyboardInterrupt:
+    for job, proc, *_ in active.values():
+      proc.send_signal(signal.SIGINT)
+    deadline = time.time() + _INTERRUPT_GRACE_S
+    for job, proc, *_ in active.values():
+      try:
+        proc.wait(timeout=max(deadline - time.time(), 0.1))
+      except subprocess.TimeoutExpired:
+        proc.kill()
+    raise
+  return codes
+
+
+def _last_line(path: str) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      lines = [l.strip() for l in f.read().replace("\r", "\n").splitlines() if l.strip()]
+  except OSError:
+    return "(no log)"
+  return lines[-1] if lines else "(empty log)"
+
+
+def describe_end(workdir: str) -> str:
+  """How a point's training ended, from its run_info.json."""
+  done = provenance.finished(workdir)
+  if done is None:
+    return "not finished"
+  return f"stopped at step {done['end_step']} ({done['stop_reason']})"
+
+
+# ----------------------------------------------------------------------------- held-out eval
+
+
+def heldout_path(workdir: str, data_path: str) -> str:
+  name = os.path.splitext(os.path.basename(data_path))[0]
+  return os.path.join(workdir, compare.HELDOUT_DIR, name + ".json")
+
+
+def eval_job(point: Point, data_path: str, limit: int | None) -> Job | None:
+  """eval.py on the point's latest checkpoint, unless its result for this checkpoint and data
+  exists; None when there is nothing to evaluate."""
+  from diffgemma.runs import checkpointing
+
+  step = checkpointing.latest_step(point.workdir)
+  if step is None:
+    return None
+  result = heldout_path(point.workdir, data_path)
+  if os.path.isfile(result):
+    with open(result) as f:
+      saved = json.load(f)
+    if (saved.get("checkpoint_step") == step and saved.get("data") == os.path.abspath(data_path)
+        and saved.get("limit") == limit):
+      return None
+  stem = os.path.splitext(result)[0]
+  command = [sys.executable, EVAL_PY, f"--workdir={point.workdir}", f"--data={data_path}"]
+  command += [f"--limit={limit}"] if limit else []
+
+  def on_exit(rc: int) -> str:
+    if rc != 0:
+      return ""
+    try:  # eval.py's last line is its metrics
+      with open(stem + ".out") as f:
+        metrics = json.loads(f.read().strip().splitlines()[-1])
+    except (OSError, IndexError, ValueError):
+      return f"no metrics in {stem}.out"
+    metrics.pop("step_profile", None)
+    metrics["limit"] = limit
+    with open(result, "w") as f:
+      json.dump(metrics, f, indent=2)
+    headline = compare.headline_metric(metrics)
+    shown = f"{headline} {metrics[headline]:.3f}, " if headline in metrics else ""
+    return f"{os.path.basename(data_path)}: {shown}TPF {metrics['tokens_per_forward']:.2f}"
+
+  return Job(f"eval {point.name}", command, stem + ".log", stem + ".out", on_exit)

@@ -1,0 +1,1 @@
+"""Training: the forward process, the losses, the optimizer, the update step, the loop, stages."""

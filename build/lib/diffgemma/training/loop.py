@@ -1,0 +1,318 @@
+"""The one training loop: SFT and SD·RL runs alike (a stage supplies the loss and batches).
+
+  train(config, workdir)   start a new run (random or --init_from) or resume the workdir's
+                           latest checkpoint exactly (step, optimizer, data position, RNG)
+
+Sections: configuration (everything checked before anything is written), state (new or
+restored), the loop (update step, logging, periodic evaluation through the task, checkpoints,
+deadline, the non-finite guard), and the close.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import ml_collections
+from tqdm import tqdm
+
+from diffgemma import errors
+from diffgemma.io.tb_writer import SummaryWriter
+from diffgemma.model import lora, sharding
+from diffgemma.runs import (
+  checkpointing,
+  provenance,
+  resume_config,
+  run_config,
+  training_state,
+  workdir_lock,
+)
+from diffgemma.sampling import evaluation, sampler
+from diffgemma.tasks import make_task, task_name, tokenization_keys
+from diffgemma.tasks.base import Task
+from diffgemma.training import stages, update_step
+
+
+class NonFiniteError(errors.RunStopped):
+  """A run stopped on a non-finite loss or gradient norm. One-line message."""
+
+
+def _adopt_tokenization(config, init_from: str, overridden) -> None:
+  """A run started from a training run of the same task keeps its token mapping (e.g. Sudoku's
+  data.prompt_format): the starting model's embeddings were trained on it."""
+  if not os.path.isfile(os.path.join(init_from, "config.json")):
+    return  # a model checkpoint, not a training run
+  source = checkpointing.load_config(init_from)
+  try:
+    same_task = task_name(source) == task_name(config)
+  except ValueError:
+    return  # an unknown task name: make_task reports it
+  if not same_task:
+    return
+  for key in tokenization_keys(config):
+    section, name = key.split(".")
+    theirs = source.get(section, {}).get(name)
+    ours = config.get(section, {}).get(name)
+    if theirs is None or theirs == ours:
+      continue
+    if key in (overridden or ()):
+      raise errors.ConfigError(f"--config.{key}={ours} differs from {theirs!r}, which the run in "
+                               f"{init_from} was trained with; drop the override")
+    with config.unlocked():
+      config[section][name] = theirs
+    print(f"  {key}: {ours!r} -> {theirs!r} (from {init_from})")
+
+
+def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
+                   init_from: str | None, planning: bool = False, overridden=None):
+  """(config, task, resuming step or None, resume changes): the run's config, fully validated
+  (a bad value is a one-line ConfigError; bad task data a one-line InputError). Reads configs
+  and task data only; writes nothing.
+
+  A new run adopts `init_from`'s architecture. A resumed run continues under its saved config,
+  with the requested changes that are safe on resume (`resume_config.reconcile`; any other
+  difference is a one-line ResumeConfigError); `overridden` are the keys set on the command
+  line. `planning` (--dry_run): an SD·RL config needs no --init_from.
+  """
+  config = ml_collections.ConfigDict(config.to_dict())
+  step = checkpointing.latest_step(workdir) if workdir else None
+  changes = {}
+  if step is not None:
+    config, changes = resume_config.reconcile(checkpointing.load_config(workdir), config,
+                                              overridden, workdir)
+  elif init_from:
+    with config.unlocked():
+      config.init_from = os.path.abspath(init_from)
+    training_state.adopt_checkpoint_architecture(config, init_from)
+    _adopt_tokenization(config, init_from, overridden)
+  try:
+    stage_cls = stages.stage_class(config)
+  except ValueError as e:
+    raise errors.ConfigError(f"bad config: {e}") from None
+  if step is None and not init_from and stage_cls.requires_init_from and not planning:
+    raise checkpointing.CheckpointError(
+        f"the {stage_cls.name} stage starts from a trained model: pass "
+        "--init_from=SFT_WORKDIR (or a checkpoint dir)")
+  try:
+    run_config.validate(config)
+    task = make_task(config, planning=planning)
+    if config.model.vocab_size < task.min_vocab_size:
+      raise ValueError(f"model.vocab_size={config.model.vocab_size} is too small for the task "
+                       f"(needs {task.min_vocab_size})")
+    stage_cls.validate_config(config)
+  except errors.InputError:
+    raise
+  except (KeyError, TypeError, ValueError) as e:
+    after = " after the resume changes" if changes else ""
+    raise errors.ConfigError(f"bad config{after}: {errors.one_line(e)}") from None
+  return config, task, step, changes
+
+
+def check_init_from(init_from: str | None, workdir: str) -> None:
+  """A new run's missing --init_from fails before anything is read or written (a resumed run
+  does not read it)."""
+  if init_from and checkpointing.latest_step(workdir) is None and not os.path.isdir(init_from):
+    raise checkpointing.CheckpointError(f"--init_from directory {init_from!r} not found")
+
+
+def record_resume_changes(workdir: str, config, changes: dict, step: int) -> None:
+  """Print the changes a resumed run applies; rewrite config.json; append them, with the step
+  they take effect, to the run's config history."""
+  if not changes:
+    return
+  print(f"changed on resume at step {step}: {'; '.join(resume_config.describe(changes, config))}"
+        f" (recorded in {resume_config.HISTORY_FILE})")
+  checkpointing.save_config(workdir, config)
+  resume_config.record(workdir, step, changes)
+
+
+def eval_params(state, frozen, lora_cfg: lora.LoraConfig):
+  """What the sampler runs: the trained params, or the base wrapped with the adapters."""
+  return training_state.model_params(state["params"], frozen, lora_cfg)
+
+
+def evaluate_and_log(step, params, task: Task, model_cfg, sampler_cfg, prompts, batch_size,
+                     generate_fn, writer, trace_fn=None, trace_rows: int = 0) -> dict[str, float]:
+  """The periodic held-out evaluation: written to TensorBoard (with the denoising traces of the
+  first `trace_rows` examples, drawn by `trace_fn`, a trajectory-recording sampler), printed
+  above the progress bar (with the task's warning when the metrics look unhealthy), returned as
+  eval/* metrics."""
+  metrics, _ = evaluation.evaluate(task, params, model_cfg, sampler_cfg, prompts, batch_size,
+                                   seed=step, generate_fn=generate_fn)
+  if trace_fn is not None and trace_rows:
+    shown = prompts.take(slice(0, trace_rows))
+    out = jax.device_get(trace_fn(params, shown.prompt_NxP, shown.valid_NxP,
+                                  jax.random.PRNGKey(step)))
+    task.log_traces(writer, step, shown, out["trajectory"], rows=range(len(shown)))
+  accuracies = sorted((k for k in metrics if k.endswith("accuracy")),
+                      key=lambda k: k != task.headline_metric)  # the task's headline first
+  shown = [f"{k}={metrics[k]:.3f}" for k in accuracies]
+  tqdm.write(f"step {step}: eval {' '.join(shown)} TPF={metrics['tokens_per_forward']:.2f} "
+             f"steps/canvas={metrics['steps_per_canvas']:.1f}")
+  warning = task.plateau_warning(step, metrics)
+  if warning:
+    tqdm.write(warning)
+  metrics = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+  writer.write(step, metrics)
+  return metrics
+
+
+def _check_finite(state, train_cfg: run_config.TrainConfig, mngr) -> int:
+  """The number of skipped non-finite steps so far (one host sync); raises NonFiniteError when
+  the policy says the run must stop."""
+  count, first = (int(x) for x in jax.device_get((state["nonfinite"], state["nonfinite_step"])))
+  if count == 0:
+    return 0
+  if train_cfg.on_nonfinite == "stop" or count > train_cfg.max_nonfinite_skips:
+    last = mngr.latest_step()
+    where = (f"the last finite checkpoint is step {last} in {mngr.directory}"
+             if last is not None else "no checkpoint was saved")
+    reason = ("on_nonfinite='stop'" if train_cfg.on_nonfinite == "stop" else
+              f"{count} non-finite steps exceed max_nonfinite_skips="
+              f"{train_cfg.max_nonfinite_skips}")
+    raise NonFiniteError(f"non-finite loss or gradient norm at step {first} ({reason}); "
+                         f"stopped without saving it; {where}")
+  return count
+
+
+def _close(bar, mngr, writer, failed: bool = False) -> None:
+  """The progress bar, pending checkpoint writes (their failure is one line), TensorBoard. With
+  `failed` (an error is already on its way out) a second error is dropped."""
+  bar.close()
+  checkpointing.finish(mngr, failed=failed)
+  try:
+    writer.close()
+  except OSError:
+    if not failed:
+      raise
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None = None,
+          stop_at: int | None = None, overridden=None) -> dict:
+  """Train (or resume) in `workdir`; returns the last logged metrics.
+
+  `stop_at` ends this invocation early at that step (with a checkpoint), as a preemption would;
+  the schedule still spans `num_train_steps`, so rerunning resumes the same run. `init_from`
+  starts a new run from a checkpoint directory's parameters; a LoRA run (lora.enabled) trains
+  adapters on that base. An SD·RL config (an `sdrl` section) runs the SD·RL stage.
+  `overridden`: the config keys set on the command line (see `prepare_config`). One trainer
+  per workdir (`workdir_lock`).
+  """
+  # ---------------------------------------------------------------- configuration
+  check_init_from(init_from, workdir)
+  config, task, start_step, changes = prepare_config(config, workdir, init_from,
+                                                     overridden=overridden)
+  with workdir_lock.hold(workdir, enabled=jax.process_index() == 0):
+    return _train(config, task, workdir, start_step, changes, init_from, stop_at)
+
+
+def _train(config, task: Task, workdir: str, start_step, changes, init_from, stop_at) -> dict:
+  if start_step is not None and init_from:
+    print(f"resuming {workdir}: --init_from applies only to a new run")
+  setup = training_state.make_setup(config)
+  train_cfg = setup.train_cfg
+  stage = stages.make_stage(config, task, setup)
+  report = task.data_report()
+  if report:
+    print(report)
+
+  # ---------------------------------------------------------------- state
+  if start_step is not None:
+    # The newest readable checkpoint (a damaged newer one is moved aside, with a notice).
+    state, frozen, start_step = training_state.restore_state(workdir, config, setup,
+                                                        move_damaged=True)
+    print(f"resumed from step {start_step} in {workdir}")
+    record_resume_changes(workdir, config, changes, start_step)
+  else:
+    start_step = 0
+    if init_from:
+      print(f"initialising from {init_from}")
+    state, frozen = training_state.new_state(config, setup, init_from)
+    checkpointing.save_config(workdir, config)
+  provenance.record_start(workdir, start_step)  # run_info.json: this invocation's provenance
+  # After the restore: a checkpoint moved aside is not one of the manager's steps.
+  mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints)
+  model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg
+  trained = sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))
+  if frozen is None:
+    print(f"model: {trained / 1e6:.3f}M parameters; {stage.name} steps {start_step}.."
+          f"{train_cfg.num_train_steps}")
+  else:
+    base = sum(x.size for x in jax.tree_util.tree_leaves(frozen))
+    print(f"model: {base / 1e6:.3f}M frozen parameters ({lora_cfg.base_dtype}), "
+          f"{trained / 1e6:.3f}M LoRA parameters (rank {lora_cfg.rank}); {stage.name} steps "
+          f"{start_step}..{train_cfg.num_train_steps}")
+
+  state_sh = jax.tree_util.tree_map(lambda x: x.sharding, state)
+  frozen_sh = None if frozen is None else jax.tree_util.tree_map(lambda x: x.sharding, frozen)
+  step_fn = update_step.make_update_step(
+      setup, stage.loss_fn, state_sh, frozen_sh,
+      update_step.batch_shardings(setup, stage.batch_shapes()), stage.update_stream)
+  writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+  eval_cfg = config.eval
+  eval_prompts = task.eval_prompts() if eval_cfg.every_steps > 0 else None
+  eval_sampler_cfg = run_config.sampler_config(config, task.stop_token_ids)
+  generate_fn = sampler.make_generate_fn(model_cfg, eval_sampler_cfg)
+  trace_rows = min(eval_cfg.get("trace_examples", 0), len(eval_prompts or ()))
+  trace_fn = (sampler.make_generate_fn(model_cfg, eval_sampler_cfg.replace(record_trajectory=True))
+              if trace_rows else None)
+  stage.start(state, frozen, start_step, workdir)
+
+  def checkpoint(step):
+    _check_finite(state, train_cfg, mngr)  # nothing non-finite is ever saved
+    saved = state if not (frozen is not None and lora_cfg.save_base) else {**state, "base": frozen}
+    checkpointing.save(mngr, step, saved)
+
+  # ---------------------------------------------------------------- the loop
+  end_time = (time.time() + 60 * train_cfg.max_train_minutes
+              if train_cfg.max_train_minutes > 0 else None)
+  last, host_metrics = {}, {}
+  window_start, window_steps = time.perf_counter(), 0
+  bar = tqdm(total=train_cfg.num_train_steps, initial=start_step, desc=stage.name, unit="step",
+             dynamic_ncols=True)
+  step, timed_out = start_step, False
+  try:
+    while step < train_cfg.num_train_steps:
+      batch, new_host_metrics = stage.next_batch(step, state, frozen)
+      host_metrics.update(new_host_metrics)
+      batch = sharding.global_batch(batch, setup.mesh, setup.rules)
+      state, metrics = step_fn(state, frozen, batch)
+      step += 1
+      window_steps += 1
+      bar.update(1)
+      final = step == train_cfg.num_train_steps
+      if step % train_cfg.log_every == 0 or final:
+        metrics = jax.tree_util.tree_map(float, jax.device_get(metrics))
+        metrics["nonfinite_steps"] = float(_check_finite(state, train_cfg, mngr))
+        elapsed = time.perf_counter() - window_start
+        metrics["steps_per_second"] = window_steps / elapsed
+        if stage.tokens_per_batch():
+          metrics["tokens_per_second"] = window_steps * stage.tokens_per_batch() / elapsed
+        metrics.update(host_metrics)
+        window_start, window_steps = time.perf_counter(), 0
+        writer.write(step, metrics)
+        bar.set_postfix(stage.progress_fields(metrics))
+        last.update(metrics)
+      boundary = stage.is_boundary(step)
+      timed_out = boundary and end_time is not None and time.time() > end_time
+      stopping = timed_out or (boundary and stop_at is not None and step >= stop_at)
+      if eval_prompts is not None and (step % eval_cfg.every_steps == 0 or final or stopping):
+        last.update(evaluate_and_log(step, eval_params(state, frozen, lora_cfg), task, model_cfg,
+                                     eval_sampler_cfg, eval_prompts, eval_cfg.batch_size,
+                                     generate_fn, writer, trace_fn, trace_rows))
+        window_start, window_steps = time.perf_counter(), 0  # eval time is not throughput
+      if boundary and (step % train_cfg.checkpoint_every == 0 or final or stopping):
+        checkpoint(step)
+      if timed_out:
+        tqdm.write(f"stopping at step {step}: max_train_minutes={train_cfg.max_train_minutes} "
+                   "reached")
+      if stopping:
+        break
+  except BaseException:  # the loop's own error is the one the user sees
+    _close(bar, mngr, writer, failed=True)
+    raise
+  _close(bar, mngr, writer)
+  provenance.record_end(workdir, step, provenance.stop_reason(step, train_cfg.num_train_steps,
+                                                              timed_out))
+  return last

@@ -1,0 +1,198 @@
+"""The SFT objective: encoder next-token CE + decoder denoising CE with self-conditioning.
+
+A batch holds sequences of P prompt tokens followed by K canvases of C tokens:
+  tokens_BxL (L = P + K*C), valid_BxL (False = padding), loss_mask_BxL (supervised tokens).
+One encoder pass over the clean sequence fills the KV cache that the decoder reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+
+import jax
+import jax.numpy as jnp
+
+from diffgemma.model import network
+from diffgemma.model.config import ModelConfig
+from diffgemma.training import diffusion
+
+ENCODER_SCOPES = ("off", "target", "prompt_and_target")
+CANVAS_SELECTIONS = ("one", "all")
+DECODER_WEIGHTINGS = ("flat", "inverse_t")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The SFT objective's knobs (config section `loss`); the sequence layout comes from the task.
+
+  encoder_scope: the encoder's next-token CE over "target" tokens, over "prompt_and_target"
+    (every valid prompt token too), or "off" (the last canvas is then never encoded).
+  canvas_selection: "one" canvas per example, uniformly among those with supervised tokens (the
+    report's objective), or "all" its supervised canvases, each denoised from its own noise
+    level against the clean earlier canvases (K times the decoder work per encoder pass).
+  """
+
+  encoder_weight: float = 1.0
+  decoder_weight: float = 1.0
+  encoder_scope: str = "target"
+  noise_schedule: str = "linear"
+  t_eps: float = 1e-3
+  self_conditioning_prob: float = 0.5
+  decoder_weighting: str = "flat"  # "flat" mean CE, or "inverse_t" (ELBO-style 1/t weight)
+  canvas_selection: str = "one"
+
+  def __post_init__(self):
+    for name, choices in (("encoder_scope", ENCODER_SCOPES),
+                          ("canvas_selection", CANVAS_SELECTIONS),
+                          ("decoder_weighting", DECODER_WEIGHTINGS),
+                          ("noise_schedule", diffusion.SCHEDULES)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f"unknown loss.{name} {getattr(self, name)!r}; choose one of {choices}")
+    if self.encoder_weight < 0 or self.decoder_weight < 0:
+      raise ValueError("loss.encoder_weight and loss.decoder_weight must be >= 0")
+    if not 0.0 <= self.self_conditioning_prob <= 1.0:
+      raise ValueError("loss.self_conditioning_prob must be in [0, 1], got "
+                       f"{self.self_conditioning_prob}")
+    if not 0.0 < self.t_eps < 1.0:  # t = 0 is a clean canvas: nothing to denoise
+      raise ValueError(f"loss.t_eps must be in (0, 1), got {self.t_eps}")
+
+  @property
+  def uses_encoder_loss(self) -> bool:
+    return self.encoder_scope != "off" and self.encoder_weight > 0
+
+
+def cross_entropy(logits_BxTxV, targets_BxT):
+  """Per-token CE in float32 [B, T]."""
+  logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets_BxT[..., None], axis=-1)[..., 0]
+
+
+def masked_mean(x, mask):
+  mask = mask.astype(jnp.float32)
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def take_canvas(x_BxL, start_B, canvas_len: int):
+  """Rows' canvases x[b, start_b : start_b + C] -> [B, C]."""
+  index_BxC = start_B[:, None] + jnp.arange(canvas_len)
+  return jnp.take_along_axis(x_BxL, index_BxC, axis=1)
+
+
+def take_cache_rows(cache, row_U):
+  """The cache of each of U rows' source row, [U, ...] (rows may repeat)."""
+  take = lambda x: x[row_U]
+  return {"layers": jax.tree_util.tree_map(take, cache["layers"]), "valid": take(cache["valid"]),
+          "end": cache["end"]}
+
+
+def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng):
+  """Total loss and metrics for one batch. Returns (loss, metrics dict of scalars).
+
+  layout: the task's `Layout` (P prompt slots, K canvases of C = cfg.canvas_length); batch:
+  tokens_BxL, valid_BxL, loss_mask_BxL with L = P + K * C (diffgemma/tasks/base.py).
+  """
+  tokens, valid, loss_mask = batch["tokens"], batch["valid"], batch["loss_mask"]
+  b, seq_len = tokens.shape
+  c, p, num_canvases = cfg.canvas_length, layout.prompt_len, layout.num_canvases
+  if layout.canvas_length != c or layout.seq_len != seq_len:
+    raise ValueError(f"batch of length {seq_len} does not match the layout {layout} of a model "
+                     f"with canvas_length {c}")
+  canvas_rng, t_rng, noise_rng = jax.random.split(rng, 3)
+
+  # The decoder never needs the last canvas's K/V; without an encoder loss, skip encoding it.
+  encode_len = seq_len if loss_cfg.uses_encoder_loss else p + (num_canvases - 1) * c
+  cache = network.init_cache(cfg, b, encode_len)
+  hidden, cache = network.encode(params, cfg, tokens[:, :encode_len], cache, valid[:, :encode_len])
+
+  metrics = {}
+  encoder_loss = jnp.zeros(())
+  if loss_cfg.uses_encoder_loss:
+    scope_BxL = loss_mask
+    if loss_cfg.encoder_scope == "prompt_and_target":
+      scope_BxL = loss_mask | (jnp.arange(seq_len) < p)[None]
+    targets_mask = valid[:, 1:] & scope_BxL[:, 1:]
+    logits = network.lm_head(params, hidden[:, :-1], cfg)
+    encoder_loss = masked_mean(cross_entropy(logits, tokens[:, 1:]), targets_mask)
+    metrics["encoder_loss"] = encoder_loss
+
+  if loss_cfg.canvas_selection == "one":
+    # One canvas per example, uniformly among those with supervised tokens.
+    has_target_BxK = loss_mask[:, p:].reshape(b, num_canvases, c).any(-1)
+    k_U = jax.random.categorical(canvas_rng, jnp.where(has_target_BxK, 0.0, -jnp.inf))
+    decode_cache, tokens_UxL, loss_mask_UxL = cache, tokens, loss_mask
+  else:
+    # Every canvas of every example: row u = b * K + k reads example b's cache up to canvas k
+    # (a canvas without supervised tokens contributes nothing).
+    row_U = jnp.repeat(jnp.arange(b), num_canvases)
+    k_U = jnp.tile(jnp.arange(num_canvases), b)
+    decode_cache = take_cache_rows(cache, row_U)
+    tokens_UxL, loss_mask_UxL = tokens[row_U], loss_mask[row_U]
+  u = k_U.shape[0]
+  start_U = p + k_U * c
+  clean_UxC = take_canvas(tokens_UxL, start_U, c)
+  target_mask_UxC = take_canvas(loss_mask_UxL, start_U, c)
+  t_U = diffusion.sample_noise_level(t_rng, u, loss_cfg.t_eps)
+  noisy_UxC = diffusion.corrupt(noise_rng, clean_UxC, t_U, cfg.vocab_size,
+                                loss_cfg.noise_schedule, target_mask_UxC)
+
+  logits, _, _ = self_conditioned_logits(params, cfg, noisy_UxC, decode_cache, start_U,
+                                         loss_cfg.self_conditioning_prob)
+  ce_UxC = cross_entropy(logits, clean_UxC)
+  if loss_cfg.decoder_weighting == "inverse_t":
+    ce_UxC = ce_UxC / t_U[:, None]
+  decoder_loss = masked_mean(ce_UxC, target_mask_UxC)
+  correct = (jnp.argmax(logits, -1) == clean_UxC)
+  metrics["decoder_loss"] = decoder_loss
+  metrics["decoder_token_accuracy"] = masked_mean(correct, target_mask_UxC)
+  total = loss_cfg.encoder_weight * encoder_loss + loss_cfg.decoder_weight * decoder_loss
+  metrics["loss"] = total
+  return total, metrics
+
+
+def self_conditioning_rows(batch: int, prob: float) -> tuple[int, int]:
+  """(k, g): the self-conditioned rows are the first k of every g consecutive rows; k / g is
+  prob as the closest fraction with a denominator of at most `batch` (0.3 of 6 rows: 1 of 3).
+
+  Spreading them evenly (instead of taking the first round(B * prob) rows) keeps the selection
+  inside each batch shard under data / FSDP sharding, and does not depend on the device count.
+  A prob with no denominator dividing the batch falls back to one group of the whole batch.
+  """
+  frac = fractions.Fraction(prob).limit_denominator(batch)
+  group = frac.denominator if batch % frac.denominator == 0 else batch
+  return round(group * prob), group
+
+
+def self_conditioned_logits(params, cfg: ModelConfig, noisy_BxC, cache, prefix_len_B,
+                            self_conditioning_prob: float):
+  """Decoder logits [B, C, V] under the SFT self-conditioning scheme, and its inputs.
+
+  A gradient-free first pass supplies the self-conditioning input of a `self_conditioning_prob`
+  share of the rows (`self_conditioning_rows`); the rest get zeros. Callers pass rows in random
+  order, so those rows are a random subset. The first pass and the soft embedding run on those
+  rows only (the rest would be multiplied by zero).
+  Returns (logits_BxCxV, self-conditioning logits [B, C, V] (zeros on the other rows) or None,
+  self-conditioning mask [B]).
+  """
+  b = noisy_BxC.shape[0]
+  k, g = self_conditioning_rows(b, self_conditioning_prob)
+  sc_mask_B = jnp.arange(b) % g < k
+  if not k:
+    logits = network.decode(params, cfg, noisy_BxC, cache, prefix_len_B, None, sc_mask_B)
+    return logits, None, sc_mask_B
+
+  def take(x):  # [B, ...] -> the self-conditioned rows [B / g * k, ...]
+    return x.reshape(b // g, g, *x.shape[1:])[:, :k].reshape(b // g * k, *x.shape[1:])
+
+  def spread(x):  # inverse of `take`, zeros on the other rows
+    x = x.reshape(b // g, k, *x.shape[1:])
+    pad = jnp.zeros((b // g, g - k) + x.shape[2:], x.dtype)
+    return jnp.concatenate([x, pad], axis=1).reshape(b, *x.shape[2:])
+
+  sc_cache = {"layers": jax.tree_util.tree_map(take, cache["layers"]),
+              "valid": take(cache["valid"]), "end": cache["end"]}
+  first = jax.lax.stop_gradient(
+      network.decode(params, cfg, take(noisy_BxC), sc_cache, take(prefix_len_B)))
+  soft_BxCxD = spread(network.self_conditioning_embedding(params, first, cfg))
+  logits = network.decode(params, cfg, noisy_BxC, cache, prefix_len_B, None, sc_mask_B, soft_BxCxD)
+  return logits, spread(first), sc_mask_B

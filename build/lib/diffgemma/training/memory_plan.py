@@ -1,0 +1,116 @@
+"""`train.py --dry_run`: the per-device memory of a config's compiled programs, with no weights.
+
+The training step (and, for SD·RL, the rollout program: the sampler with trajectories over a
+batch of groups) is lowered and compiled against abstract parameters on the configured mesh;
+XLA's memory analysis of each executable gives arguments, outputs, temporaries and the peak per
+device, checked against `device_memory_gib`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from diffgemma.model import quantize
+from diffgemma.runs import training_state
+from diffgemma.training import loop, stages, update_step
+
+GIB = 2 ** 30
+
+
+def _bytes_per_device(tree) -> int:
+  """Bytes one device holds of a tree of sharded ShapeDtypeStructs (its largest shard)."""
+  total = 0
+  for x in jax.tree_util.tree_leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += int(np.prod(shape)) * quantize.bits_per_value(x.dtype) // 8
+  return total
+
+
+def _memory(compiled, seconds: float, device_memory_gib: float) -> dict:
+  mem = compiled.memory_analysis()
+  report = {"arguments_gib": mem.argument_size_in_bytes / GIB,
+            "outputs_gib": mem.output_size_in_bytes / GIB,
+            "aliased_gib": mem.alias_size_in_bytes / GIB,
+            "temporaries_gib": mem.temp_size_in_bytes / GIB,
+            "code_gib": mem.generated_code_size_in_bytes / GIB,
+            "compile_seconds": seconds}
+  # Donated buffers are reused for the outputs (aliased): count them once.
+  report["peak_gib"] = (report["arguments_gib"] + report["outputs_gib"] - report["aliased_gib"]
+                        + report["temporaries_gib"] + report["code_gib"])
+  report["device_memory_gib"] = device_memory_gib
+  report["fits"] = report["peak_gib"] <= device_memory_gib
+  return report
+
+
+def _compile(fn, *args):
+  start = time.perf_counter()
+  compiled = fn.lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
+def training_program(config: ml_collections.ConfigDict, init_from: str | None = None):
+  """(jitted update step, its abstract arguments (state, frozen, batch), setup, stage) of a
+  config on its mesh, as a run would build them; nothing is allocated. With `init_from` the
+  architecture is read from that checkpoint's config (no weights read)."""
+  config, task, _, _ = loop.prepare_config(config, None, init_from, planning=True)
+  setup = training_state.make_setup(config)
+  stage = stages.make_stage(config, task, setup)
+  frozen = None
+  if setup.uses_lora:
+    frozen = training_state.sharded_shapes(training_state.base_params_shape(setup), setup)
+  state = training_state.abstract_state(config, setup, frozen)
+  batch_shapes = stage.batch_shapes()
+  batch_sh = update_step.batch_shardings(setup, batch_shapes)
+  batch = jax.tree_util.tree_map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), batch_shapes, batch_sh)
+  step_fn = update_step.make_update_step(
+      setup, stage.loss_fn, jax.tree_util.tree_map(lambda x: x.sharding, state),
+      None if frozen is None else jax.tree_util.tree_map(lambda x: x.sharding, frozen),
+      batch_sh, stage.update_stream)
+  return step_fn, (state, frozen, batch), setup, stage
+
+
+def dry_run(config: ml_collections.ConfigDict, init_from: str | None = None) -> dict:
+  """{"programs": {name: memory report}, "devices", "mesh", per-device state sizes}: the
+  training step, and for SD·RL also the rollout; nothing is allocated. With `init_from` the
+  architecture is read from that checkpoint's config (no weights read)."""
+  step_fn, (state, frozen, batch), setup, stage = training_program(config, init_from)
+  device_memory = setup.train_cfg.device_memory_gib
+  programs = {"update step": _memory(*_compile(step_fn, state, frozen, batch), device_memory)}
+  for name, (fn, args) in stage.planned_programs(state, frozen).items():
+    programs[name] = _memory(*_compile(fn, *args), device_memory)
+  return {
+      "devices": setup.mesh.size, "mesh": dict(setup.mesh.shape), "programs": programs,
+      "frozen_params_gib": 0.0 if frozen is None else _bytes_per_device(frozen) / GIB,
+      "trained_params_gib": _bytes_per_device(state["params"]) / GIB,
+      "optimizer_gib": _bytes_per_device(state["opt_state"]) / GIB,
+      "fits": all(p["fits"] for p in programs.values()),
+  }
+
+
+def format_report(report: dict, config) -> str:
+  mesh = " ".join(f"{k}={v}" for k, v in report["mesh"].items())
+  lines = [f"dry run: {report['devices']} devices ({mesh}), batch {config.batch_size}, canvas "
+           f"{config.model.canvas_length}, grad_accum_steps {config.get('grad_accum_steps', 1)}, "
+           f"remat {config.model.get('remat', 'none')}, optimizer "
+           f"{config.optimizer.get('name', 'adamw')} ({config.optimizer.get('state_dtype', 'float32')}"
+           " state)"]
+  for name, p in report["programs"].items():
+    rows = [("arguments", p["arguments_gib"]), ("outputs", p["outputs_gib"]),
+            ("  of which aliased to arguments", p["aliased_gib"]),
+            ("temporaries", p["temporaries_gib"]), ("generated code", p["code_gib"]),
+            ("peak per device", p["peak_gib"])]
+    lines += [f"{name} (compiled in {p['compile_seconds']:.0f} s)", "| per device | GiB |",
+              "|---|---|"] + [f"| {label} | {value:.2f} |" for label, value in rows]
+    verdict = "fits" if p["fits"] else "does NOT fit"
+    lines.append(f"{name}: peak {p['peak_gib']:.2f} GiB per device {verdict} in "
+                 f"device_memory_gib={p['device_memory_gib']:.0f}")
+  lines.append(f"state per device: frozen base {report['frozen_params_gib']:.2f} GiB, trained "
+               f"params {report['trained_params_gib']:.2f} GiB, optimizer "
+               f"{report['optimizer_gib']:.2f} GiB")
+  return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""The optimizer: a typed config (section `optimizer`) built once into an optax transformation.
+
+AdamW (the default) or Adafactor (factored second moments: O(rows + cols) state per matrix, as
+Google's full fine-tuning recipe uses), global-norm clipping, a warmup + cosine or constant
+learning-rate schedule, and optional bfloat16 optimizer state (moments stored in bfloat16,
+updates computed in float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from diffgemma.model import lora
+
+NAMES = ("adamw", "adafactor")
+SCHEDULES = ("cosine", "constant")
+STATE_DTYPES = ("float32", "bfloat16")
+ROUTER_LEAVES = ("router.proj", "router.scale", "router.per_expert_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """Every optimizer knob. `b2` is AdamW's second-moment decay (Adafactor uses its own
+  step-dependent decay); `state_dtype` the dtype of AdamW's moments / Adafactor's factors."""
+
+  lr: float = 3e-3
+  warmup_steps: int = 50
+  schedule: str = "cosine"
+  end_lr_fraction: float = 0.05
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.99
+  grad_clip: float = 1.0
+  name: str = "adamw"
+  state_dtype: str = "float32"
+
+  def __post_init__(self):
+    for field, choices in (("name", NAMES), ("schedule", SCHEDULES),
+                           ("state_dtype", STATE_DTYPES)):
+      if getattr(self, field) not in choices:
+        raise ValueError(f"unknown optimizer.{field} {getattr(self, field)!r}; choose one of "
+                         f"{choices}")
+    if not self.lr > 0:
+      raise ValueError(f"optimizer.lr must be positive, got {self.lr}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if not 0.0 <= self.end_lr_fraction <= 1.0:
+      raise ValueError(f"optimizer.end_lr_fraction must be in [0, 1], got {self.end_lr_fraction}")
+    if self.weight_decay < 0:
+      raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+    for name in ("b1", "b2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+    if not self.grad_clip > 0:
+      raise ValueError(f"optimizer.grad_clip must be positive, got {self.grad_clip}")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int):
+  """Linear warmup from 0, then cosine decay to end_lr_fraction * lr, or constant."""
+  if cfg.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, max(num_steps, cfg.warmup_steps + 1),
+        end_value=cfg.lr * cfg.end_lr_fraction)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), optax.constant_schedule(cfg.lr)],
+      [cfg.warmup_steps])
+
+
+def _matrices(params):
+  """Weight decay only on matrices, not on norms, scales and other vectors."""
+  return jax.tree_util.tree_map(lambda x: x.ndim >= 2, params)
+
+
+def cast_state(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+  """`inner` with its floating-point state stored in `dtype` and computed in float32."""
+  dtype = jnp.dtype(dtype)
+
+  def store(state):
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+  def load(state):
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+  def init(params):
+    return store(inner.init(params))
+
+  def update(updates, state, params=None):
+    updates, state = inner.update(updates, load(state), params)
+    return updates, store(state)
+
+  return optax.GradientTransformation(init, update)
+
+
+def _base(cfg: OptimizerConfig, schedule) -> optax.GradientTransformation:
+  if cfg.name == "adamw":
+    tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                     mask=_matrices)
+  else:
+    # Factored second moments over the two largest axes of every matrix (per expert for the
+    # stacked experts), full ones for vectors, Adafactor's step-dependent decay 1 - t^-0.8; the
+    # step size is the schedule's (no parameter-scale rule, no update clipping: clipping is
+    # global, below), momentum b1 (0 = none, the memory-lean choice). Weight decay is decoupled
+    # and scaled by the learning rate, as AdamW's: the update is -lr * (u + wd * param).
+    # (optax.adafactor adds wd * param after the learning rate, a 1% shrink per step at wd 0.01.)
+    tx = optax.chain(
+        optax.scale_by_factored_rms(min_dim_size_to_factor=1),
+        optax.ema(cfg.b1, debias=False) if cfg.b1 else optax.identity(),
+        optax.add_decayed_weights(cfg.weight_decay, mask=_matrices) if cfg.weight_decay
+        else optax.identity(),
+        optax.scale_by_learning_rate(schedule))
+  return tx if cfg.state_dtype == "float32" else cast_state(tx, cfg.state_dtype)
+
+
+def make(cfg: OptimizerConfig, num_steps: int, frozen_router: bool = False):
+  """(optax transformation over the trained tree, learning-rate schedule).
+
+  Global-norm clipping, then the optimizer. With `frozen_router` (NeMo's SFT default, full
+  fine-tuning only) the router's leaves get no updates and no optimizer state.
+  """
+  schedule = learning_rate_schedule(cfg, num_steps)
+  tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), _base(cfg, schedule))
+  if frozen_router:
+    def labels(params):
+      return jax.tree_util.tree_map_with_path(
+          lambda p, _: "frozen" if lora.dotted(p).endswith(ROUTER_LEAVES) else "trained", params)
+    tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
+  return tx, schedule

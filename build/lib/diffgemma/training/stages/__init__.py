@@ -1,0 +1,44 @@
+"""Training stages by name: `config.stage` picks the module whose class feeds the update step.
+
+The interface is `diffgemma.training.stages.base.Stage`. Only this registry names a stage
+module; the loop and --dry_run receive a stage from `make_stage`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import ml_collections
+
+from diffgemma.training.stages.base import Stage
+
+# name -> (module, class name).
+STAGES = {"sft": ("diffgemma.training.stages.sft", "SftStage"),
+          "sdrl": ("diffgemma.training.stages.sdrl", "SdrlStage")}
+
+
+def stage_name(config: ml_collections.ConfigDict) -> str:
+  """`config.stage`; a config saved before that key existed is SD·RL when it has an `sdrl`
+  section, else SFT. A section named after another stage is an error (its settings would be
+  ignored silently)."""
+  name = config.get("stage") or ("sdrl" if "sdrl" in config else "sft")
+  if name not in STAGES:
+    raise ValueError(f"unknown stage {name!r}; choose one of {tuple(STAGES)}")
+  other = [s for s in STAGES if s != name and s in config]
+  if other:
+    raise ValueError(f"the config has a {other[0]!r} section but stage={name!r}; set "
+                     f"--config.stage={other[0]} or drop the section")
+  return name
+
+
+def stage_class(config: ml_collections.ConfigDict) -> type[Stage]:
+  module, cls = STAGES[stage_name(config)]
+  return getattr(importlib.import_module(module), cls)
+
+
+def make_stage(config: ml_collections.ConfigDict, task, setup) -> Stage:
+  """The run's stage, built from its validated config, task and setup."""
+  return stage_class(config)(config, task, setup)
+
+
+__all__ = ["STAGES", "Stage", "make_stage", "stage_class", "stage_name"]

@@ -1,0 +1,69 @@
+"""The SFT stage: the task's training batches and the SFT objective, fed to the update step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffgemma.runs import guard
+from diffgemma.runs.training_state import Setup
+from diffgemma.tasks.base import Task
+from diffgemma.training import losses
+from diffgemma.training.stages.base import ConfigDict
+
+
+class SftStage:
+  """Supervised fine-tuning: the task's batches and `losses.sft_loss` on its layout."""
+
+  name = "sft"
+  update_stream = None
+
+  requires_init_from = False
+
+  @staticmethod
+  def validate_config(config: ConfigDict) -> None:
+    del config  # every SFT key is checked by runs.validation and the task
+
+  def __init__(self, config: ConfigDict, task: Task, setup: Setup):
+    self.task, self.setup = task, setup
+    self.batch_size = config.batch_size
+    self.num_steps = config.num_train_steps
+    self.layout = task.layout
+    self._batches = None
+
+  def loss_fn(self, params, batch, rng):
+    return losses.sft_loss(params, self.setup.model_cfg, self.setup.loss_cfg, self.layout,
+                           batch, rng)
+
+  def batch_shapes(self):
+    shape = (self.batch_size, self.layout.seq_len)
+    return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
+            "valid": jax.ShapeDtypeStruct(shape, jnp.bool_),
+            "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
+
+  def start(self, state, frozen, start_step: int, workdir: str):
+    del state, frozen
+    self._workdir = workdir
+    self._batches = self.task.train_batches(self.batch_size, self.num_steps, start_step,
+                                            jax.process_index(), jax.process_count())
+
+  def next_batch(self, step, state, frozen):
+    del state, frozen
+    batch = guard.next_batch(self._batches, step + 1, self._workdir)
+    return {k: np.asarray(v) for k, v in batch.items()}, {}
+
+  def is_boundary(self, step: int) -> bool:
+    del step
+    return True
+
+  def planned_programs(self, state, frozen) -> dict:
+    del state, frozen
+    return {}
+
+  def tokens_per_batch(self) -> int:
+    return self.batch_size * self.layout.seq_len
+
+  @staticmethod
+  def progress_fields(metrics):
+    return {"loss": f"{metrics['loss']:.4f}", "acc": f"{metrics['decoder_token_accuracy']:.3f}"}

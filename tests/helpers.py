@@ -1,0 +1,200 @@
+"""Helpers shared by several test files (no test file imports another): command lines of the
+scripts, tiny configs, saved tiny runs, test tokenizers and chat data files.
+
+scripts/check_bad_inputs.py imports `write_tokenizer_json` through tests.test_tokenizer, which
+re-exports it from here.
+"""
+
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+
+from configs import sdrl_sudoku, sft_chat, sft_sudoku
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, cwd=ROOT, env=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+  return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                        env=env, timeout=300)
+
+
+def one_line_error(result, *needles):
+  assert result.returncode == 2, result.stderr
+  lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+  assert len(lines) == 1, result.stderr
+  assert lines[0].startswith("error: ")
+  for needle in needles:
+    assert needle in lines[0], lines[0]
+
+
+def load_script(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", name + ".py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def tiny_sudoku_config(workdir_steps=4):
+  config = sft_sudoku.get_config()
+  config.model.update(dict(
+      vocab_size=16, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
+      num_kv_heads=1, head_dim=8, global_head_dim=8, num_global_kv_heads=1, num_experts=4,
+      top_k_experts=2, moe_intermediate_size=8, moe_tile_size=8, layer_types=()))
+  config.data.prompt_format = "digits"
+  config.data.num_threads = 0
+  config.batch_size = 4
+  config.num_train_steps = workdir_steps
+  config.log_every = 1
+  config.checkpoint_every = 100
+  config.eval.every_steps = 0
+  config.optimizer.warmup_steps = 1
+  return config
+
+
+def tiny_configs():
+  """A tiny SFT config and the SD·RL config on top of it (same model, tiny sampler budgets)."""
+  sft = sft_sudoku.get_config()
+  sft.model.update({
+      "vocab_size": 16, "hidden_size": 16, "intermediate_size": 24, "num_layers": 2,
+      "num_heads": 2, "num_kv_heads": 1, "head_dim": 8, "global_head_dim": 8,
+      "num_global_kv_heads": 1, "num_experts": 4, "top_k_experts": 2,
+      "moe_intermediate_size": 8, "moe_impl": "ragged_dot", "layer_types": (),
+      "canvas_length": 27})  # three canvases per solution
+  sft.data.update({"prompt_format": "digits", "num_threads": 0})
+  sft.eval.every_steps = 0
+  config = sdrl_sudoku.get_config()
+  config.update({key: sft[key] for key in ("model", "data", "eval")})
+  config.update({"num_train_steps": 4, "checkpoint_every": 2, "log_every": 1})
+  config.optimizer.warmup_steps = 1
+  config.sdrl.update({"group_size": 2, "prompts_per_rollout": 2, "updates_per_rollout": 2,
+                      "states_per_trajectory": 2, "anchor": "none"})
+  config.sdrl.reward.partial_credit = "cells"
+  # Stop on a stable argmax alone (threshold above log V), so rows stop at different steps.
+  config.sdrl.rollout_sampler.update({"max_denoising_steps": 4, "confidence_threshold": 100.0})
+  config.sdrl.prompts.update({"min_givens": 44, "max_givens": 46})
+  return sft, config
+
+
+def save_sft_run(sft, workdir):
+  """A saved SFT run at step 0 (trainer layout: config.json + an orbax state checkpoint).
+
+  The default (small) init: a large-weight random model is chaotic along a trajectory (float
+  rounding differences between two compiled programs grow into flipped expert choices and
+  argmaxes within a few steps), so the replay checks need a tame one, as a trained model is.
+  """
+  import jax
+  from diffgemma.model import network
+  from diffgemma.runs import checkpointing, training_state
+
+  setup = training_state.make_setup(sft)
+  params = network.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
+  checkpointing.save_config(workdir, sft)
+  with checkpointing.manager(workdir) as mngr:
+    checkpointing.save(mngr, 0, training_state.init_state(sft, setup, params))
+  return params
+
+
+CORPUS = ["the quick brown fox jumps over the lazy dog\n", "hello world, how are you?\n",
+          "user\nmodel\nthought\n", "a block diffusion model denoises a canvas of tokens\n"]
+
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"]
+
+
+def write_tokenizer_json(directory, vocab_size=64, specials=SPECIALS, template=None,
+                         config_extra=None):
+  """A Gemma-like BPE tokenizer.json (normalizer ' ' -> '▁', Gemma's decoder) of exactly
+  `vocab_size` ids, plus tokenizer_config.json and, if given, chat_template.jinja."""
+  import tokenizers
+  from tokenizers import decoders, normalizers, trainers
+
+  os.makedirs(directory, exist_ok=True)
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+  tok.normalizer = normalizers.Replace(" ", "▁")
+  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse()])
+  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab_size,
+                                                      special_tokens=specials,
+                                                      show_progress=False))
+  assert tok.get_vocab_size() == vocab_size
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>",
+            "pad_token": "<pad>", "unk_token": "<unk>", **(config_extra or {})}
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f)
+  if template is not None:
+    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+      f.write(template)
+  return directory
+
+
+def write_sentencepiece(directory, template=None):
+  """A tiny SentencePiece BPE model with Gemma's trainer settings and special ids."""
+  import sentencepiece
+
+  os.makedirs(directory, exist_ok=True)
+  model = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(CORPUS * 3), model_writer=model, vocab_size=90, model_type="bpe",
+      pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+      bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=SPECIALS[4:],
+      add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity",
+      split_digits=True, allow_whitespace_only_pieces=True, character_coverage=1.0,
+      hard_vocab_limit=False, minloglevel=2)
+  with open(os.path.join(directory, "tokenizer.model"), "wb") as f:
+    f.write(model.getvalue())
+  if template is not None:
+    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+      f.write(template)
+  return directory
+
+
+# A Gemma-like template exercising what transformers' environment provides: a system turn,
+# namespace, loop controls, raise_exception, tojson, a {% generation %} block, trim_blocks /
+# lstrip_blocks (the indented block tags), a model-specific special token variable.
+GEMMA_LIKE_TEMPLATE = """{{ bos_token }}
+{%- set ns = namespace(users=0) -%}
+{%- for message in messages -%}
+  {%- if message['role'] not in ['system', 'user', 'assistant'] -%}
+    {{ raise_exception('unknown role ' + message['role']) }}
+  {%- endif -%}
+  {%- if message['role'] == 'user' %}{% set ns.users = ns.users + 1 %}{% endif -%}
+  {%- if message.get('skip') %}{% continue %}{% endif %}
+<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}
+{% if message['role'] == 'assistant' %}
+{% generation %}{{ message['content'] | trim }}{% endgeneration %}
+{% else %}
+{{ message['content'] | trim }}{% if message.get('meta') %} {{ message['meta'] | tojson }}{% endif %}
+{% endif %}
+{{ '<turn|>' }}
+{%- endfor %}
+{% if add_generation_prompt %}
+<|turn>model
+{{ sot_token if false else '' }}{% endif %}"""
+
+
+def write_jsonl(path, records):
+  with open(path, "w") as f:
+    for r in records:
+      f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+  return str(path)
+
+
+def chat(user, reply, system=None):
+  msgs = ([{"role": "system", "content": system}] if system else [])
+  return {"messages": msgs + [{"role": "user", "content": user},
+                              {"role": "assistant", "content": reply}]}
+
+
+def make_config(train="", canvas_length=4, **data):
+  c = sft_chat.get_config()
+  c.model.canvas_length = canvas_length
+  c.data.train = train
+  c.data.update(data)
+  return c
+
