@@ -1,1 +1,0 @@
-"""The DiffusionGemma network: its config, layers, attention mask, LoRA, quantization, sharding, kernels."""

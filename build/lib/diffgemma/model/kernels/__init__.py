@@ -1,1 +1,0 @@
-"""Pallas kernels for the canvas attention and the MoE expert MLP, and where they run."""

@@ -1,1 +1,0 @@
-"""A run on disk: its config and checks, resume, training state, checkpoints, lock, provenance, loading."""

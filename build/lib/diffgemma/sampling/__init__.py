@@ -1,1 +1,0 @@
-"""Sampling: the block-diffusion sampler, held-out evaluation, denoising traces."""

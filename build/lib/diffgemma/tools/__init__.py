@@ -1,1 +1,0 @@
-"""Tools above training: run comparison, sweeps, lowering for accelerators."""
