@@ -15,6 +15,8 @@ import sys
 
 from absl import flags
 
+from diffgemma import errors  # a leaf module: no imports of its own
+
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
@@ -61,7 +63,7 @@ def fail(message: str, code: int = 2):
 def _flag_error_message(e: Exception, argv: list[str]) -> str:
   """One line for an error absl or ml_collections raised while parsing `argv`."""
   if isinstance(e, flags.Error):
-    return _one_line(e)
+    return errors.one_line(e)
   if isinstance(e, (KeyError, AttributeError)):
     # ml_collections reports an unknown override key as AttributeError(KeyError("'key'...")),
     # sometimes followed by a "Did you mean" hint.
@@ -74,7 +76,7 @@ def _flag_error_message(e: Exception, argv: list[str]) -> str:
     return (f"unknown config key {culprit!r}" +
             (f" (did you mean {hint.group(1)!r}?)" if hint
              else "; see the config file for the keys"))
-  return _one_line(e)
+  return errors.one_line(e)
 
 
 # {section: {key: raw value}} of the `--SECTION.KEY=VALUE` arguments `run` took out of argv.
@@ -126,12 +128,6 @@ def parse_config(config_path: str, overrides: list[str]):
   except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
     raise UserError(_flag_error_message(e, argv)) from None
   return holder.value
-
-
-def _one_line(e: BaseException) -> str:
-  from diffgemma import errors  # local: keep flag parsing light
-
-  return errors.one_line(e)
 
 
 def _in_checkpoint_library(tb) -> bool:
@@ -194,7 +190,6 @@ def run(main, argv=None, sections: tuple[str, ...] = ()):
   stopped on purpose, e.g. on a non-finite loss: 3). `sections`: config sections the command
   takes as `--SECTION.KEY=VALUE` (e.g. eval.py's "sampler"; see `section_overrides`)."""
   # local: keep flag parsing light
-  from diffgemma import errors
   from diffgemma.io import hf_weights, safetensors_dir, tokenizer
   from diffgemma.model.kernels import platform
   from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
@@ -210,9 +205,9 @@ def run(main, argv=None, sections: tuple[str, ...] = ()):
     main(argv)
   except user_errors as e:
     _quiet_exit()
-    fail(_one_line(e))
+    fail(errors.one_line(e))
   except errors.RunStopped as e:
-    fail(_one_line(e), code=3)
+    fail(errors.one_line(e), code=3)
   except KeyboardInterrupt:
     _quiet_exit()
     fail("interrupted", code=130)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from diffgemma.runs import guard
 from diffgemma.runs.training_state import Setup
 from diffgemma.tasks.base import Task
 from diffgemma.training import losses
-from diffgemma.training.stages.base import ConfigDict
 
 
 class SftStage:
@@ -22,10 +22,10 @@ class SftStage:
   requires_init_from = False
 
   @staticmethod
-  def validate_config(config: ConfigDict) -> None:
+  def validate_config(config: ml_collections.ConfigDict) -> None:
     del config  # every SFT key is checked by runs.validation and the task
 
-  def __init__(self, config: ConfigDict, task: Task, setup: Setup):
+  def __init__(self, config: ml_collections.ConfigDict, task: Task, setup: Setup):
     self.task, self.setup = task, setup
     self.batch_size = config.batch_size
     self.num_steps = config.num_train_steps
