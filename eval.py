@@ -98,7 +98,7 @@ def main(argv):
     from diffgemma.model import quantize
 
     run.params = quantize.quantize_params(run.params, quantize.QuantizeConfig(_QUANTIZE.value))
-  batch = _BATCH.value or run.config.eval.batch_size
+  batch = _BATCH.value or run.run_cfg.eval.batch_size
   with tqdm(total=len(prompts), desc="eval", unit="example") as bar:
     metrics, predictions = evaluation.evaluate(
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,

@@ -63,7 +63,7 @@ def main(argv):
 
   if _DRY_RUN.value:
     report = memory_plan.dry_run(_CONFIG.value, init_from=_INIT_FROM.value)
-    print(memory_plan.format_report(report, _CONFIG.value))
+    print(memory_plan.format_report(report))
     return
   # The keys set on the command line: on resume, only they can change an --init_from run's
   # architecture (see resume_config.reconcile).

@@ -47,7 +47,7 @@ from absl import app, flags  # noqa: E402
 
 from benchmarks import kernels as kernel_bench  # noqa: E402
 from diffgemma.model import network, quantize  # noqa: E402
-from diffgemma.runs import training_state
+from diffgemma.runs import run_config, training_state
 from diffgemma.sampling import sampler
 from diffgemma.training import update_step
 from diffgemma.training.stages import sft
@@ -335,12 +335,12 @@ def section_lora(suite: Suite, cfg: ModelConfig, params, variants, repeats: int)
       batch = {"tokens": jnp.asarray(rng.integers(3, cfg.vocab_size, (1, seq_len)), jnp.int32),
                "valid": jnp.ones((1, seq_len), bool),
                "loss_mask": jnp.asarray(np.arange(seq_len)[None] >= p)}
-      setup = training_state.make_setup(config)
+      setup = training_state.make_setup(run_config.build(config))
       frozen = params
       if setup.quantize_cfg is not None:
         frozen = quantize.quantize_params(params, setup.quantize_cfg)
-      state = training_state.init_state(config, setup, frozen=frozen)
-      stage = sft.SftStage(config, task, setup)
+      state = training_state.init_state(setup, frozen=frozen)
+      stage = sft.SftStage(None, task, setup)
       compiled = update_step.make_update_step(setup, stage.loss_fn).lower(
           state, frozen, batch).compile()
       mem = compiled.memory_analysis()

@@ -34,9 +34,9 @@ _BATCH = flags.DEFINE_integer("batch_size", None, "Override the batch size.")
 
 def time_training(config, steps: int) -> float:
   """Seconds per training step after one compile step."""
-  setup = training_state.make_setup(config)
-  state = training_state.init_state(config, setup)
-  stage = sft.SftStage(config, make_task(config), setup)
+  setup = training_state.make_setup(run_config.build(config))
+  state = training_state.init_state(setup)
+  stage = sft.SftStage(None, make_task(config), setup)
   step_fn = update_step.make_update_step(setup, stage.loss_fn)
   stage.start(state, None, 0, os.getcwd())
   batch_list = [stage.next_batch(i, state, None)[0] for i in range(steps + 1)]
@@ -83,9 +83,9 @@ def main(argv):
     run = loaded.load_run(_WORKDIR.value)
     params, model_cfg, sampler_cfg = run.params, run.model_cfg, run.sampler_cfg
   else:
-    model_cfg = run_config.model_config(config)
-    sampler_cfg = run_config.sampler_config(config, task.stop_token_ids)
-    params = training_state.init_state(config, training_state.make_setup(config))["params"]
+    run_cfg = run_config.build(config)
+    model_cfg, sampler_cfg = run_cfg.model, run_cfg.sampler.with_stops(task.stop_token_ids)
+    params = training_state.init_state(training_state.make_setup(run_cfg))["params"]
   prompts = task.eval_prompts().take(slice(0, config.eval.batch_size))
   diffusion_tps, tpf = time_sampling(params, model_cfg, sampler_cfg, prompts)
   ar_tps, _ = time_sampling(params, model_cfg, sampler_cfg.replace(mode="ar"), prompts)

@@ -114,7 +114,7 @@ def diagnose(workdir: str, data: str, num: int, levels, seed: int = 0) -> dict:
                         "chat runs")
   batch = stop_canvas_batch(run.task, data, num)
   probe = make_probe(run.model_cfg, run.task.layout, run.task.stop_token_ids,
-                     run.config.loss.noise_schedule)
+                     run.run_cfg.loss.noise_schedule)
   out = {"workdir": workdir, "step": run.step, "num_examples": int(batch[0].shape[0]),
          "levels": {}}
   for i, t in enumerate(levels):

@@ -164,11 +164,10 @@ def diagnose(run, steps, num_puzzles: int, seed: int, levels, sampler_puzzles: i
   import jax
 
   from diffgemma.io import model_dirs
-  from diffgemma.runs import run_config
   from diffgemma.sampling import evaluation, sampler
 
   prompts, clean_NxC, given_NxC = held_out_set(run, num_puzzles, seed)
-  noise_schedule = run_config.loss_config(run.config).noise_schedule
+  noise_schedule = run.run_cfg.loss.noise_schedule
   rng = jax.random.PRNGKey(seed)
   out, probe, generate_fn = {}, None, None
   for step in steps:
@@ -185,7 +184,7 @@ def diagnose(run, steps, num_puzzles: int, seed: int, levels, sampler_puzzles: i
       generate_fn = generate_fn or sampler.make_generate_fn(model_cfg, run.sampler_cfg)
       metrics, _ = evaluation.evaluate(
           run.task, params, model_cfg, run.sampler_cfg, prompts.take(slice(0, sampler_puzzles)),
-          run.config.eval.batch_size, seed=seed, generate_fn=generate_fn)
+          run.run_cfg.eval.batch_size, seed=seed, generate_fn=generate_fn)
       entry["sampler"] = {key: metrics[key] for key in SAMPLER_KEYS}
     out[step] = entry
   return out

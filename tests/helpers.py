@@ -91,12 +91,22 @@ def save_sft_run(sft, workdir):
   from diffgemma.model import network
   from diffgemma.runs import checkpointing, training_state
 
-  setup = training_state.make_setup(sft)
+  setup = setup_of(sft)
   params = network.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
   checkpointing.save_config(workdir, sft)
   with checkpointing.manager(workdir) as mngr:
-    checkpointing.save(mngr, 0, training_state.init_state(sft, setup, params))
+    checkpointing.save(mngr, 0, training_state.init_state(setup, params))
   return params
+
+
+def setup_of(config, mesh=None):
+  """The run's `Setup` as train.py's entry point builds it: the ConfigDict typed once
+  (`run_config.build`, with the stage's section), then the setup."""
+  from diffgemma.runs import run_config, training_state
+  from diffgemma.training import stages
+
+  return training_state.make_setup(run_config.build(config, **stages.stage_settings(config)),
+                                   mesh)
 
 
 CORPUS = ["the quick brown fox jumps over the lazy dog\n", "hello world, how are you?\n",

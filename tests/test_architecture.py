@@ -88,3 +88,33 @@ def test_no_generic_module_imports_a_task_module():
       if target.startswith(TASK_PACKAGE) and target not in TASK_INTERFACE:
         bad.append(f"{os.path.relpath(path, ROOT)} imports {target}")
   assert not bad, "\n".join(bad)
+
+
+# Where a raw ml_collections ConfigDict may be read: the entry points and the one conversion
+# (`runs.run_config.build`), the steps before it (resume reconciliation, architecture adoption,
+# validation, config.json), the stage and task registries and the tasks, which type their own
+# sections. Everything else receives the typed, frozen `RunConfig` or its sections.
+CONFIG_DICT_READERS = {
+    "diffgemma.cli", "diffgemma.runs.checkpointing", "diffgemma.runs.loaded",
+    "diffgemma.runs.resume_config", "diffgemma.runs.run_config", "diffgemma.runs.training_state",
+    "diffgemma.runs.validation", "diffgemma.tasks", "diffgemma.tasks.chat",
+    "diffgemma.tasks.sudoku", "diffgemma.tools.lowering", "diffgemma.training.loop",
+    "diffgemma.training.memory_plan", "diffgemma.training.stages",
+    "diffgemma.training.stages.base", "diffgemma.training.stages.sdrl",
+    "diffgemma.training.stages.sft",
+}
+
+
+def test_the_raw_config_stays_at_the_entry_points():
+  """Only the modules that convert or prepare the config import ml_collections: the model,
+  sampling, io, update step and losses take typed configs (a new reader is a design change)."""
+  readers = set()
+  for name, path in package_modules().items():
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    for node in ast.walk(tree):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      if any(n.split(".")[0] == "ml_collections" for n in names):
+        readers.add(name)
+  assert readers <= CONFIG_DICT_READERS, sorted(readers - CONFIG_DICT_READERS)
+  assert "diffgemma.training.update_step" not in readers

@@ -253,7 +253,7 @@ def test_failed_or_refused_writes_leave_nothing(saved_reference, tmp_path, monke
 
 
 def test_convert_cli_and_init_from_a_converted_run(tmp_path):
-  from diffgemma.runs import checkpointing, training_state, loaded
+  from diffgemma.runs import checkpointing, training_state, loaded, run_config
   from diffgemma.training import loop
   from tests.helpers import one_line_error, run
   from tests.helpers import tiny_sudoku_config
@@ -297,8 +297,12 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
   # from its exact parameters, records where it came from, and resumes under it.
   wider = tiny_sudoku_config(workdir_steps=2)
   wider.model.hidden_size = 24
-  init_params = training_state.load_initial_params(wider, exported)
+  with pytest.raises(ValueError, match="hidden_size differ"):  # the entry point adopts first
+    training_state.load_initial_params(run_config.build(wider).model, exported, wider.seed)
+  training_state.adopt_checkpoint_architecture(wider, exported)
   assert wider.model.hidden_size == 16
+  init_params = training_state.load_initial_params(run_config.build(wider).model, exported,
+                                                   wider.seed)
   source = loaded.load_run(source_run)
   assert _leaves_equal(init_params, source.params)
   wider = tiny_sudoku_config(workdir_steps=2)

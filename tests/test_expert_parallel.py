@@ -15,7 +15,7 @@ from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
 from diffgemma.training import update_step
 from diffgemma.training.stages import sft
-from tests.helpers import tiny_sudoku_config
+from tests.helpers import setup_of, tiny_sudoku_config
 
 # Tolerances: float32 throughout; the two programs add the same products in different orders.
 VALUE_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -96,11 +96,11 @@ def loss_and_grads(moe_impl, rules):  # the SFT loss and its gradients, sharded 
   config = tiny_sudoku_config()
   config.model.update(dict(moe_impl=moe_impl, num_experts=8, top_k_experts=3, moe_tile_size=4))
   config.sharding.update(dict(fsdp=2, rules=rules))
-  setup = training_state.make_setup(config)
-  target = training_state.abstract_state(config, setup)
-  params = jax.device_put(training_state.init_state(config, setup)["params"],
+  setup = setup_of(config)
+  target = training_state.abstract_state(setup)
+  params = jax.device_put(training_state.init_state(setup)["params"],
                           jax.tree_util.tree_map(lambda x: x.sharding, target["params"]))
-  stage = sft.SftStage(config, make_task(config), setup)
+  stage = sft.SftStage(None, make_task(config), setup)
   stage.start(None, None, 0, None)
   batch, _ = stage.next_batch(0, None, None)
   batch = sharding.global_batch(batch, setup.mesh, setup.rules)

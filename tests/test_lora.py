@@ -215,18 +215,18 @@ from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
 from diffgemma.training import update_step
 from diffgemma.training.stages import sft
-from tests.helpers import tiny_sudoku_config
+from tests.helpers import setup_of, tiny_sudoku_config
 
 def losses(fsdp, tensor, lora_base=None):
   config = tiny_sudoku_config(workdir_steps=5)
   config.model.update(dict(num_heads=4, num_kv_heads=2, intermediate_size=32))
   config.sharding.update(dict(fsdp=fsdp, tensor=tensor))
-  setup = training_state.make_setup(config)
+  setup = setup_of(config)
   assert setup.mesh.size == fsdp * tensor
-  state = training_state.init_state(config, setup)
-  target = training_state.abstract_state(config, setup)
+  state = training_state.init_state(setup)
+  target = training_state.abstract_state(setup)
   state = jax.device_put(state, jax.tree_util.tree_map(lambda x: x.sharding, target))
-  stage = sft.SftStage(config, make_task(config), setup)
+  stage = sft.SftStage(None, make_task(config), setup)
   step = update_step.make_update_step(setup, stage.loss_fn,
                                   jax.tree_util.tree_map(lambda x: x.sharding, target), None,
                                   update_step.batch_shardings(setup, stage.batch_shapes()))

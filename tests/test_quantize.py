@@ -29,7 +29,7 @@ from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
 from diffgemma.training import update_step
 from diffgemma.training.stages import sft
-from tests.helpers import tiny_sudoku_config
+from tests.helpers import setup_of, tiny_sudoku_config
 
 
 def numpy_quantize(w, layout, bits: int, group: int):
@@ -157,12 +157,12 @@ def _qlora_setup(base_dtype, moe_impl):
   config.optimizer.lr = 1e-2
   import ml_collections
   config.quantize = ml_collections.ConfigDict(dict(group_size=8))
-  return config, training_state.make_setup(config)
+  return config, setup_of(config)
 
 
 def sft_step(config, setup):
   """The jitted SFT update step of `config` (as the training loop builds it, unsharded)."""
-  return update_step.make_update_step(setup, sft.SftStage(config, make_task(config),
+  return update_step.make_update_step(setup, sft.SftStage(None, make_task(config),
                                                           setup).loss_fn)
 
 
@@ -178,7 +178,7 @@ def test_qlora_step_trains_only_adapters_with_the_dequantized_base_gradients():
   frozen = quantize.quantize_params(float_base, setup.quantize_cfg)
   shapes = training_state.base_params_shape(setup)
   assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure(frozen)
-  state = training_state.init_state(config, setup, frozen=frozen)
+  state = training_state.init_state(setup, frozen=frozen)
   assert set(state["params"]) == set(lora.target_paths(frozen, setup.lora_cfg))
   batch = next(data.train_batches(config.data, config.batch_size, 2))
   step = sft_step(config, setup)
@@ -198,7 +198,7 @@ def test_qlora_step_trains_only_adapters_with_the_dequantized_base_gradients():
 
   # The same step on the dequantized float base: the same loss, gradients and new adapters.
   float_config = _qlora_setup("float32", moe_impl)[0]
-  float_step = sft_step(float_config, training_state.make_setup(float_config))
+  float_step = sft_step(float_config, setup_of(float_config))
   float_state, float_metrics = two_steps(float_step, quantize.dequantize_params(frozen))
   np.testing.assert_allclose(float(metrics["loss"]), float(float_metrics["loss"]), rtol=1e-5)
   np.testing.assert_allclose(float(metrics["grad_norm"]), float(float_metrics["grad_norm"]),

@@ -18,7 +18,7 @@ from diffgemma.tasks import sudoku as data
 from diffgemma.tasks import sudoku_puzzles as sudoku
 from diffgemma.training import diffusion, losses, rewards, loop, update_step
 from diffgemma.training.stages import sdrl
-from tests.helpers import tiny_configs, save_sft_run
+from tests.helpers import save_sft_run, setup_of, tiny_configs
 
 
 
@@ -26,7 +26,7 @@ from tests.helpers import tiny_configs, save_sft_run
 
 
 # The loop test's model (two layers: one sliding, one full) for every test: one set of programs.
-CFG = run_config.model_config(tiny_configs()[1])
+CFG = run_config.build(tiny_configs()[1]).model
 
 
 
@@ -226,11 +226,12 @@ def test_replay_reproduces_the_recorded_trajectory(tmp_path):
   """
   sft, config = tiny_configs()
   save_sft_run(sft, str(tmp_path / "sft"))
-  setup = training_state.make_setup(config)
-  params = training_state.load_initial_params(config, str(tmp_path / "sft"), setup.mesh,
-                                         setup.rules)  # placed as the loop's
-  model_cfg, scfg = run_config.model_config(config), sdrl.rollout_sampler_config(config)
-  cfg = sdrl.sdrl_config(config)
+  setup = setup_of(config)
+  params = training_state.load_initial_params(setup.model_cfg, str(tmp_path / "sft"),
+                                              setup.train_cfg.seed, setup.mesh,
+                                              setup.rules)  # placed as the loop's
+  model_cfg, scfg = setup.model_cfg, setup.run.stage_settings.rollout_sampler
+  cfg = setup.run.stage_settings.cfg
   prompts = make_task(config).rollout_prompts(0, cfg.prompts_per_rollout).repeat(cfg.group_size)
   prompt, valid = prompts.prompt_NxP, prompts.valid_NxP
   b, p, c = prompt.shape[0], prompt.shape[1], model_cfg.canvas_length
@@ -384,7 +385,7 @@ def test_consistent_cells_against_brute_force():
 
 def test_bad_config_values_fail_with_one_line():
   config = sdrl_sudoku.get_config()
-  sdrl.validate_config(config)
+  sdrl.settings(config)
   for key, value, words in (("mode", "ppo", "unknown sdrl.mode"),
                             ("state_selection", "first", "unknown sdrl.state_selection"),
                             ("cell_weighting", "all", "unknown sdrl.cell_weighting"),
@@ -392,7 +393,7 @@ def test_bad_config_values_fail_with_one_line():
     bad = sdrl_sudoku.get_config()
     bad.sdrl[key] = value
     with pytest.raises(ValueError, match=words):
-      sdrl.validate_config(bad)
+      sdrl.settings(bad)
   bad = sdrl_sudoku.get_config()
   bad.sdrl.reward.partial_credit = "most"
   with pytest.raises(ValueError, match="partial_credit"):
@@ -440,10 +441,10 @@ def _stage_and_batch(config, sft_dir, accum):
   """An SD·RL stage over a fresh tiny state from `sft_dir`, and one rollout's update batch."""
   config = config.copy_and_resolve_references()
   config.grad_accum_steps = accum
-  config, task, _, _ = loop.prepare_config(config, None, sft_dir)
-  setup = training_state.make_setup(config)
-  state, frozen = training_state.new_state(config, setup, sft_dir)
-  stage = sdrl.SdrlStage(config, task, setup)
+  _, run, task, _, _ = loop.prepare_config(config, None, sft_dir)
+  setup = training_state.make_setup(run)
+  state, frozen = training_state.new_state(setup)
+  stage = sdrl.SdrlStage(run.stage_settings, task, setup)
   stage.start(state, frozen, 0, sft_dir)
   batch, _ = stage.next_batch(0, state, frozen)
   return setup, stage, state, frozen, batch

@@ -52,7 +52,7 @@ def protocol_members():
 def test_every_registered_stage_satisfies_the_protocol(cls):
   members = {m for m in protocol_members() if not m.startswith("_")}
   assert {"name", "update_stream", "requires_init_from", "loss_fn", "next_batch",
-          "planned_programs", "validate_config"} <= members
+          "planned_programs", "settings"} <= members
   missing = [m for m in members if not hasattr(cls, m)]
   assert not missing, f"{cls.__name__} lacks {missing}"
   for m in members:  # methods take the protocol's arguments

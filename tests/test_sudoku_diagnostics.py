@@ -12,7 +12,7 @@ from diffgemma.runs import checkpointing, training_state
 from diffgemma.tasks import sudoku
 from diffgemma.training import loop
 from tests.helpers import load_script
-from tests.helpers import tiny_sudoku_config
+from tests.helpers import setup_of, tiny_sudoku_config
 
 TRAIN_STEPS = 4
 CHECKPOINT_EVERY = 2  # checkpoints at steps 2 and 4
@@ -95,11 +95,11 @@ def test_diagnostics_read_cell_token_prompts(tmp_path, script):
   config.data.prompt_format = "cell_tokens"
   config.model.vocab_size = sudoku.vocab_size("cell_tokens")
   workdir = str(tmp_path / "run")
-  setup = training_state.make_setup(config)
+  setup = setup_of(config)
   params = network.init_params(setup.model_cfg, jax.random.PRNGKey(0))
   checkpointing.save_config(workdir, config)
   with checkpointing.manager(workdir) as mngr:
-    checkpointing.save(mngr, 0, training_state.init_state(config, setup, params))
+    checkpointing.save(mngr, 0, training_state.init_state(setup, params))
 
   run = script.open_sudoku_run(workdir)
   prompts, _, given = script.held_out_set(run, NUM_PUZZLES, seed=1)

@@ -90,7 +90,7 @@ def read_model_config(path: str, dtype: str | None = None, **overrides: Any) -> 
   the parameters' shardings before `load_model` places them)."""
   kind = directory_kind(path)
   if kind == WORKDIR:
-    cfg = run_config.model_config(checkpointing.load_config(path))
+    cfg = run_config.build(checkpointing.load_config(path)).model
   elif kind == ORBAX:
     cfg = _orbax_model_config(path, _read_json(os.path.join(path, CONFIG_FILE)))
   else:
@@ -104,9 +104,8 @@ def load_workdir(path: str, dtype: str | None = None, shardings=None, step: int 
   reading the parameters alone: never the optimizer state. A LoRA run's adapters come merged
   into its base (the base read from the checkpoint with `lora.save_base`, else from the run's
   init_from), in the base's dtype."""
-  saved = checkpointing.load_config(path)
-  cfg = run_config.model_config(saved)
-  lora_cfg = run_config.lora_config(saved)
+  saved = run_config.build(checkpointing.load_config(path))
+  cfg, lora_cfg = saved.model, saved.lora
 
   def placed(shapes):
     def target(p, leaf):
@@ -136,7 +135,7 @@ def load_workdir(path: str, dtype: str | None = None, shardings=None, step: int 
     restored, step = read(target)
     base = restored.get("base")
     if base is None:
-      if not saved.get("init_from"):
+      if not saved.init_from:
         raise checkpointing.CheckpointError(
             f"LoRA run {path!r} has no saved base and no init_from in its config.json")
       _, base = load_model(saved.init_from, dtype=lora_cfg.base_dtype)

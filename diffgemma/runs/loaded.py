@@ -22,9 +22,11 @@ from diffgemma.tasks.base import Task
 
 @dataclasses.dataclass
 class Run:
-  """config, task and sampler of a model; `load` fills model_cfg, params and step."""
+  """A model's config (as saved, and typed once: `run_cfg`), task and sampler; `load` fills
+  model_cfg, params and step."""
 
   config: ml_collections.ConfigDict
+  run_cfg: run_config.RunConfig
   task: Task
   sampler_cfg: sampler.SamplerConfig
   source: str  # the workdir or checkpoint directory
@@ -40,8 +42,9 @@ class Run:
       if self.is_workdir:
         self.model_cfg, self.params, self.step = model_dirs.load_workdir(self.source)
       else:
-        self.params = training_state.load_initial_params(self.config, self.source)
-        self.model_cfg, self.step = run_config.model_config(self.config), 0
+        self.params = training_state.load_initial_params(self.run_cfg.model, self.source,
+                                                         self.run_cfg.train.seed)
+        self.model_cfg, self.step = self.run_cfg.model, 0
     return self
 
 
@@ -49,8 +52,9 @@ def open_run(workdir: str, eval_overrides: dict | None = None, **sampler_overrid
   """A training run's config and task (CheckpointError if `workdir` holds no run).
   `eval_overrides` set config.eval keys (e.g. a chat task's metric) before the task is built."""
   config = _with_eval_overrides(checkpointing.load_config(workdir), eval_overrides)
-  task = _task(config, workdir)
-  return Run(config, task, _sampler(config, task, sampler_overrides), workdir, True)
+  run_cfg = _typed(config, workdir)
+  task = _task(config, run_cfg, workdir)
+  return Run(config, run_cfg, task, _sampler(run_cfg, task, sampler_overrides), workdir, True)
 
 
 def open_checkpoint(init_from: str, config, eval_overrides: dict | None = None,
@@ -61,8 +65,10 @@ def open_checkpoint(init_from: str, config, eval_overrides: dict | None = None,
   with config.unlocked():
     config.init_from = init_from  # a chat task's default tokenizer
   training_state.adopt_checkpoint_architecture(config, init_from)
-  task = _task(config, init_from)
-  return Run(config, task, _sampler(config, task, sampler_overrides), init_from, False)
+  run_cfg = _typed(config, init_from)
+  task = _task(config, run_cfg, init_from)
+  return Run(config, run_cfg, task, _sampler(run_cfg, task, sampler_overrides), init_from,
+             False)
 
 
 def load_run(workdir: str, eval_overrides: dict | None = None, **sampler_overrides) -> Run:
@@ -80,11 +86,19 @@ def _with_eval_overrides(config, overrides):
   return config
 
 
-def _task(config, where: str) -> Task:
+def _typed(config, where: str) -> run_config.RunConfig:
+  """The one conversion of the run's config (its stage's section is a training matter)."""
+  try:
+    return run_config.build(config)
+  except (KeyError, TypeError, ValueError) as e:
+    raise checkpointing.CheckpointError(f"{where}: bad config: {errors.one_line(e)}") from None
+
+
+def _task(config, run_cfg: run_config.RunConfig, where: str) -> Task:
   try:
     task = make_task(config, training=False)
-    if config.model.vocab_size < task.min_vocab_size:
-      raise ValueError(f"model.vocab_size={config.model.vocab_size} is too small for the task "
+    if run_cfg.model.vocab_size < task.min_vocab_size:
+      raise ValueError(f"model.vocab_size={run_cfg.model.vocab_size} is too small for the task "
                        f"(needs {task.min_vocab_size})")
     return task
   except errors.InputError:
@@ -93,8 +107,8 @@ def _task(config, where: str) -> Task:
     raise checkpointing.CheckpointError(f"{where} does not fit the config: {e}") from None
 
 
-def _sampler(config, task: Task, overrides) -> sampler.SamplerConfig:
-  cfg = run_config.sampler_config(config, task.stop_token_ids)
+def _sampler(run_cfg: run_config.RunConfig, task: Task, overrides) -> sampler.SamplerConfig:
+  cfg = run_cfg.sampler.with_stops(task.stop_token_ids)
   try:
     return cfg.replace(**overrides) if overrides else cfg
   except (TypeError, ValueError) as e:

@@ -1,14 +1,18 @@
-"""A run's ConfigDict as typed configs, and the checks that run before anything is written.
+"""A run's ConfigDict as one typed, frozen `RunConfig`, and the checks before anything is written.
 
-Every section a generic module reads becomes a frozen dataclass here, once: the model
-(`ModelConfig`), the objective (`LossConfig`), the sampler, the optimizer, LoRA, sharding and
-the loop's own knobs (`TrainConfig`). Task sections (`task`, `data`, `eval`) are checked by the
-task itself (`diffgemma.tasks.make_task`).
+The entry points (train.py through `training.loop.prepare_config`, `--dry_run`, eval.py and
+sample.py through `runs.loaded`) call `build` once; everything below them takes the typed
+sections it needs: the model (`ModelConfig`), the objective (`LossConfig`), the evaluation
+sampler, the optimizer, LoRA, QLoRA's quantization, sharding, the loop's knobs (`TrainConfig`),
+the periodic evaluation (`EvalConfig`) and the stage's own typed section. The task's sections
+(`task`, `data` and its `eval` keys) are typed by the task itself when `tasks.make_task` builds
+it, at the same entry point.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import ml_collections
 
@@ -65,16 +69,91 @@ class TrainConfig:
       raise ValueError(f"device_memory_gib must be positive, got {self.device_memory_gib}")
 
 
-def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """The loop's periodic held-out evaluation (generic keys of section `eval`; the task reads
+  its own keys of that section).
+
+  every_steps: evaluate every N steps (and at the end); 0 = never.
+  batch_size: rows per sampler call.
+  trace_examples: denoising traces of the first N held-out examples written to TensorBoard.
+  """
+
+  every_steps: int = 0
+  batch_size: int = 16
+  trace_examples: int = 0
+
+  def __post_init__(self):
+    for name in ("every_steps", "trace_examples"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
+    if self.batch_size < 1:
+      raise ValueError(f"eval.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """A run's whole config, typed and frozen (built once by `build`).
+
+  sampler: the evaluation sampler as configured; the task's stop ids are added where the task
+    is known (`sampler.SamplerConfig.with_stops`).
+  stage / stage_settings: the stage's registry name and its typed section (None for SFT; see
+    `training.stages`).
+  task: the task's registry name (its typed settings live in the `Task`).
+  init_from: the checkpoint a new run starts from (absolute), or None.
+  """
+
+  train: TrainConfig
+  model: ModelConfig
+  loss: losses.LossConfig
+  sampler: sampler.SamplerConfig
+  optimizer: optimizer.OptimizerConfig
+  lora: lora.LoraConfig
+  quantize: quantize.QuantizeConfig | None
+  sharding: sharding.ShardingConfig
+  eval: EvalConfig
+  task: str = "sudoku"
+  stage: str = "sft"
+  stage_settings: Any = None
+  init_from: str | None = None
+
+
+def build(config: ml_collections.ConfigDict, stage: str = "sft",
+          stage_settings: Any = None) -> RunConfig:
+  """The one conversion of a run's ConfigDict: every generic section checked and typed.
+
+  Raises ValueError / TypeError / KeyError with a one-line message (the entry points prefix it
+  with "bad config:"). `stage` and `stage_settings` come from the stage registry
+  (`training.stages.stage_settings`), which sits above this module.
+  """
+  validation.validate_run_config(config)
+  task = config.get("task")
+  return RunConfig(
+      train=_train_config(config), model=_model_config(config), loss=_loss_config(config),
+      sampler=sampler.SamplerConfig(**config.sampler.to_dict()),
+      optimizer=optimizer.OptimizerConfig(**config.optimizer.to_dict()),
+      lora=_lora_config(config), quantize=_quantize_config(config),
+      sharding=_sharding_config(config), eval=_eval_config(config),
+      task=(task.get("name", "sudoku") if task is not None else "sudoku"), stage=stage,
+      stage_settings=stage_settings, init_from=config.get("init_from") or None)
+
+
+def _eval_config(config: ml_collections.ConfigDict) -> EvalConfig:
+  section = config.get("eval") or {}
+  fields = {f.name for f in dataclasses.fields(EvalConfig)}
+  return EvalConfig(**{k: section[k] for k in fields if k in section})
+
+
+def _train_config(config: ml_collections.ConfigDict) -> TrainConfig:
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
   return TrainConfig(**{k: config[k] for k in fields if k in config})
 
 
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   return ModelConfig(**config.model.to_dict())
 
 
-def loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
+def _loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
   fields = dict(config.loss.to_dict())
   on_prompt = fields.pop("encoder_loss_on_prompt", None)
   if on_prompt is not None and "encoder_scope" not in fields:
@@ -82,18 +161,7 @@ def loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
   return losses.LossConfig(**fields)
 
 
-def sampler_config(config: ml_collections.ConfigDict, stop_token_ids=()) -> sampler.SamplerConfig:
-  """The evaluation sampler (section `sampler`), ending rows also at the task's stop ids."""
-  cfg = sampler.SamplerConfig(**config.sampler.to_dict())
-  stops = tuple(dict.fromkeys(tuple(cfg.stop_token_ids) + tuple(stop_token_ids)))
-  return cfg.replace(stop_token_ids=stops)
-
-
-def optimizer_config(config: ml_collections.ConfigDict) -> optimizer.OptimizerConfig:
-  return optimizer.OptimizerConfig(**config.optimizer.to_dict())
-
-
-def lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig:
+def _lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig:
   """The run's LoRA settings (disabled for configs written before LoRA existed)."""
   if "lora" not in config:
     return lora.LoraConfig()
@@ -104,32 +172,19 @@ def lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig:
   return cfg
 
 
-def quantize_config(config: ml_collections.ConfigDict) -> quantize.QuantizeConfig | None:
+def _quantize_config(config: ml_collections.ConfigDict) -> quantize.QuantizeConfig | None:
   """A QLoRA run's base quantization: lora.base_dtype "int8" / "int4", refined by an optional
   `quantize` section (quantize.QuantizeConfig fields but dtype); None for any other run."""
-  lora_cfg = lora_config(config)
+  lora_cfg = _lora_config(config)
   if not lora_cfg.enabled or lora_cfg.base_dtype not in quantize.QTYPES:
     return None
   fields = config.quantize.to_dict() if "quantize" in config else {}
   return quantize.QuantizeConfig(dtype=lora_cfg.base_dtype, **fields)
 
 
-def sharding_config(config: ml_collections.ConfigDict) -> sharding.ShardingConfig:
+def _sharding_config(config: ml_collections.ConfigDict) -> sharding.ShardingConfig:
   if "sharding" not in config:
     return sharding.ShardingConfig()
   fields = config.sharding.to_dict()
   return sharding.ShardingConfig(**{**fields, "rules": dict(fields.get("rules", {}))})
 
-
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Build every generic typed piece once, so a bad value fails before any work starts.
-
-  Raises ValueError / TypeError / KeyError with a one-line message (train.py prefixes it with
-  "bad config:"). The task's sections are checked by `make_task`.
-  """
-  validation.validate_run_config(config)
-  train = train_config(config)
-  model_config(config), loss_config(config), sampler_config(config)
-  optimizer_config(config), lora_config(config), sharding_config(config)
-  quantize_config(config)
-  del train

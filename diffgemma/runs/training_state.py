@@ -2,8 +2,8 @@
 
 The state is one pytree {step, params (the trained tree), opt_state, rng, nonfinite}; a LoRA
 run also has a frozen base outside it (kept in the checkpoint only with `lora.save_base`).
-`Setup` holds everything else a run needs (typed configs, optimizer, mesh, rules), built once
-from the config by `make_setup`.
+`Setup` holds everything else a run needs (its typed `RunConfig`, optimizer, mesh, rules),
+built once from the typed config by `make_setup`.
 """
 
 from __future__ import annotations
@@ -24,17 +24,34 @@ from diffgemma.training import optimizer
 
 @dataclasses.dataclass
 class Setup:
-  """Everything a run needs besides its state: typed configs, optimizer, mesh, shardings."""
+  """Everything a run needs besides its state: the typed config, optimizer, mesh, shardings."""
 
-  train_cfg: run_config.TrainConfig
-  model_cfg: ModelConfig
-  loss_cfg: Any
-  lora_cfg: lora.LoraConfig
+  run: run_config.RunConfig
   mesh: jax.sharding.Mesh
   rules: dict
   tx: Any
   schedule: Any
-  quantize_cfg: quantize.QuantizeConfig | None = None  # QLoRA: the frozen base's quantization
+
+  @property
+  def train_cfg(self) -> run_config.TrainConfig:
+    return self.run.train
+
+  @property
+  def model_cfg(self) -> ModelConfig:
+    return self.run.model
+
+  @property
+  def loss_cfg(self):
+    return self.run.loss
+
+  @property
+  def lora_cfg(self) -> lora.LoraConfig:
+    return self.run.lora
+
+  @property
+  def quantize_cfg(self) -> quantize.QuantizeConfig | None:
+    """QLoRA: the frozen base's quantization (None otherwise)."""
+    return self.run.quantize
 
   @property
   def uses_lora(self) -> bool:
@@ -45,15 +62,12 @@ class Setup:
     return self.train_cfg.grad_accum_steps
 
 
-def make_setup(config: ml_collections.ConfigDict, mesh=None) -> Setup:
-  train_cfg = run_config.train_config(config)
-  lora_cfg = run_config.lora_config(config)
-  tx, schedule = optimizer.make(run_config.optimizer_config(config), train_cfg.num_train_steps,
+def make_setup(run: run_config.RunConfig, mesh=None) -> Setup:
+  train_cfg, lora_cfg = run.train, run.lora
+  tx, schedule = optimizer.make(run.optimizer, train_cfg.num_train_steps,
                                 frozen_router=train_cfg.freeze_router and not lora_cfg.enabled)
-  shard_cfg = run_config.sharding_config(config)
-  mesh = mesh or sharding.make_mesh(shard_cfg)
-  return Setup(train_cfg, run_config.model_config(config), run_config.loss_config(config),
-               lora_cfg, mesh, shard_cfg.rules, tx, schedule, run_config.quantize_config(config))
+  mesh = mesh or sharding.make_mesh(run.sharding)
+  return Setup(run, mesh, run.sharding.rules, tx, schedule)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -77,33 +91,38 @@ def adopt_architecture(config: ml_collections.ConfigDict, arch: ModelConfig) -> 
   return changes
 
 
-def numerics(config: ml_collections.ConfigDict) -> dict:
-  """The config's numerics fields other than param_dtype (they apply to any checkpoint)."""
-  return {k: config.model[k] for k in NUMERICS_FIELDS if k != "param_dtype"}
+def numerics(model_cfg: ModelConfig) -> dict:
+  """The model's numerics fields other than param_dtype (they apply to any checkpoint)."""
+  return {k: getattr(model_cfg, k) for k in NUMERICS_FIELDS if k != "param_dtype"}
 
 
 def adopt_checkpoint_architecture(config: ml_collections.ConfigDict, init_from: str) -> None:
-  """Replace config.model's architecture by the checkpoint's, without reading weights."""
-  arch = model_dirs.read_model_config(init_from, **numerics(config))
+  """Replace config.model's architecture by the checkpoint's, without reading weights (an entry
+  point's step, before the config is typed)."""
+  arch = model_dirs.read_model_config(
+      init_from, **{k: config.model[k] for k in NUMERICS_FIELDS if k != "param_dtype"})
   for change in adopt_architecture(config, arch):
     print(f"  model.{change} (from {init_from})")
 
 
-def load_initial_params(config: ml_collections.ConfigDict, init_from: str, mesh=None,
+def load_initial_params(model_cfg: ModelConfig, init_from: str, seed: int, mesh=None,
                         rules=None, dtype: str | None = None):
-  """Parameters from a checkpoint directory (transformers, orbax, or a training workdir); the
-  config's model architecture is replaced by the checkpoint's (numerics kept). With a mesh,
+  """Parameters from a checkpoint directory (transformers, orbax, or a training workdir) whose
+  architecture is `model_cfg`'s (the entry point adopted it); read with `model_cfg`'s numerics
+  in `dtype` (default its param_dtype); `seed` fills weights the checkpoint lacks. With a mesh,
   each tensor goes straight to its shards."""
-  dtype = dtype or config.model.param_dtype
+  dtype = dtype or model_cfg.param_dtype
   shardings = None
   if mesh is not None:
-    arch = model_dirs.read_model_config(init_from, dtype=dtype, **numerics(config))
+    arch = model_cfg.replace(param_dtype=dtype)
     shardings = sharding.tree_shardings(network.abstract_params(arch), mesh, rules)
   arch, params = model_dirs.load_model(init_from, dtype=dtype, shardings=shardings,
-                                          rng=jax.random.PRNGKey(config.seed),
-                                          **numerics(config))
-  for change in adopt_architecture(config, arch):
-    print(f"  model.{change} (from {init_from})")
+                                       rng=jax.random.PRNGKey(seed), **numerics(model_cfg))
+  differs = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in NUMERICS_FIELDS
+             and getattr(arch, f.name) != getattr(model_cfg, f.name)]
+  if differs:
+    raise ValueError(f"{init_from} holds a model whose {', '.join(differs)} differ from the "
+                     "run's model config; start the run with --init_from so it adopts them")
   return params
 
 
@@ -124,19 +143,19 @@ def sharded_shapes(shapes, setup: Setup):
       sharding.tree_shardings(shapes, setup.mesh, setup.rules))
 
 
-def load_frozen_base(config, setup: Setup):
+def load_frozen_base(setup: Setup):
   """A LoRA run's frozen base, read from its init_from in lora.base_dtype, sharded."""
-  init_from = config.get("init_from")
+  init_from = setup.run.init_from
   if not init_from:
     raise ValueError("a LoRA run fine-tunes a base model: pass --init_from=DIR (a checkpoint "
                      "or a training workdir)")
   if setup.quantize_cfg is not None:
-    return _load_quantized_base(config, init_from, setup)
-  return load_initial_params(config, init_from, setup.mesh, setup.rules,
-                             dtype=setup.lora_cfg.base_dtype)
+    return _load_quantized_base(init_from, setup)
+  return load_initial_params(setup.model_cfg, init_from, setup.train_cfg.seed, setup.mesh,
+                             setup.rules, dtype=setup.lora_cfg.base_dtype)
 
 
-def _load_quantized_base(config, init_from: str, setup: Setup):
+def _load_quantized_base(init_from: str, setup: Setup):
   """QLoRA: the base read into host memory in model.param_dtype, then quantized one weight at a
   time onto the mesh (the devices never hold the float base)."""
   try:
@@ -144,7 +163,7 @@ def _load_quantized_base(config, init_from: str, setup: Setup):
   except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it): load on the default device
     host = None
   with jax.default_device(host):
-    params = load_initial_params(config, init_from, dtype=config.model.param_dtype)
+    params = load_initial_params(setup.model_cfg, init_from, setup.train_cfg.seed)
   shapes = jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), params)
   return quantize.quantize_params(params, setup.quantize_cfg,
                                   sharding.tree_shardings(shapes, setup.mesh, setup.rules))
@@ -161,7 +180,7 @@ def model_params(trainable, frozen, lora_cfg: lora.LoraConfig, dropout_rng=None)
 # ----------------------------------------------------------------------------- state
 
 
-def init_state(config, setup: Setup, params=None, frozen=None):
+def init_state(setup: Setup, params=None, frozen=None):
   """The training state: {step, params (the trained tree), opt_state, rng, nonfinite,
   nonfinite_step}.
 
@@ -170,7 +189,7 @@ def init_state(config, setup: Setup, params=None, frozen=None):
   gradient norm was not finite (their updates were not applied), `nonfinite_step` is the first
   of them (0: none).
   """
-  rng = jax.random.PRNGKey(config.seed)
+  rng = jax.random.PRNGKey(setup.train_cfg.seed)
   init_rng, train_rng = jax.random.split(rng)
   if setup.uses_lora:
     params = lora.init(frozen, setup.lora_cfg, init_rng)
@@ -189,25 +208,26 @@ def state_shardings(setup: Setup, abstract):
   return shardings
 
 
-def abstract_state(config, setup: Setup, frozen_shape=None):
+def abstract_state(setup: Setup, frozen_shape=None):
   """Shapes, dtypes and shardings of the training state (nothing allocated)."""
-  shapes = jax.eval_shape(lambda f: init_state(config, setup, frozen=f), frozen_shape)
+  shapes = jax.eval_shape(lambda f: init_state(setup, frozen=f), frozen_shape)
   shardings = state_shardings(setup, shapes)
   return jax.tree_util.tree_map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
 
 
-def new_state(config, setup: Setup, init_from: str | None):
-  """(state, frozen) of a new run: random, or from `init_from`'s parameters (config.model
-  adopts the checkpoint's architecture first); a LoRA run's base is read, sharded."""
+def new_state(setup: Setup):
+  """(state, frozen) of a new run: random, or from its init_from's parameters (whose
+  architecture the entry point adopted); a LoRA run's base is read, sharded."""
   params = frozen = None
   if setup.uses_lora:
-    frozen = load_frozen_base(config, setup)
-  elif init_from:
-    params = load_initial_params(config, init_from, setup.mesh, setup.rules)
+    frozen = load_frozen_base(setup)
+  elif setup.run.init_from:
+    params = load_initial_params(setup.model_cfg, setup.run.init_from, setup.train_cfg.seed,
+                                 setup.mesh, setup.rules)
   frozen_shape = None if frozen is None else jax.eval_shape(lambda: frozen)
-  target = abstract_state(config, setup, frozen_shape)
-  init_fn = jax.jit(lambda p, f: init_state(config, setup, p, f), donate_argnums=0,
+  target = abstract_state(setup, frozen_shape)
+  init_fn = jax.jit(lambda p, f: init_state(setup, p, f), donate_argnums=0,
                     out_shardings=jax.tree_util.tree_map(lambda x: x.sharding, target))
   return init_fn(params, frozen), frozen
 
@@ -216,20 +236,20 @@ def new_state(config, setup: Setup, init_from: str | None):
 _ADDED_KEYS = ("nonfinite", "nonfinite_step")
 
 
-def restore_state(workdir: str, config, setup: Setup, move_damaged: bool = False,
+def restore_state(workdir: str, setup: Setup, move_damaged: bool = False,
                   step: int | None = None):
-  """(state, frozen, step) of the newest readable checkpoint of a run whose config and setup
-  are given (or of checkpoint `step`). A damaged newer checkpoint is skipped with a notice
+  """(state, frozen, step) of the newest readable checkpoint of a run whose setup is given (or
+  of checkpoint `step`). A damaged newer checkpoint is skipped with a notice
   (moved aside with `move_damaged`: a trainer holding the lock). A LoRA run's base comes from
   the checkpoint when it was saved there (lora.save_base), else from the run's init_from."""
   frozen = None
   base_shape = base_params_shape(setup) if setup.uses_lora else None
-  target = abstract_state(config, setup, base_shape)
+  target = abstract_state(setup, base_shape)
   if setup.uses_lora:
     if setup.lora_cfg.save_base:
       target["base"] = sharded_shapes(base_shape, setup)
     else:
-      frozen = load_frozen_base(config, setup)
+      frozen = load_frozen_base(setup)
 
   def target_at(s):
     saved = checkpointing.saved_keys(workdir, s)
@@ -252,6 +272,6 @@ def restore_run(workdir: str, step: int | None = None):
   """(config, setup, state, frozen, step) of a workdir's checkpoint (the newest readable one by
   default), under its saved config: the whole training state, e.g. to compare two runs."""
   config = checkpointing.load_config(workdir)
-  setup = make_setup(config)
-  state, frozen, step = restore_state(workdir, config, setup, step=step)
+  setup = make_setup(run_config.build(config))
+  state, frozen, step = restore_state(workdir, setup, step=step)
   return config, setup, state, frozen, step

@@ -82,6 +82,11 @@ class SamplerConfig:
   def replace(self, **kwargs: Any) -> "SamplerConfig":
     return dataclasses.replace(self, **kwargs)
 
+  def with_stops(self, stop_token_ids=()) -> "SamplerConfig":
+    """This sampler ending rows also at `stop_token_ids` (e.g. a task's end-of-turn ids)."""
+    return self.replace(stop_token_ids=tuple(dict.fromkeys(
+        self.stop_token_ids + tuple(int(i) for i in stop_token_ids))))
+
 
 def parse_overrides(raw: dict[str, str]) -> dict[str, Any]:
   """{field: value} from command-line strings (`--sampler.KEY=VALUE`), each typed as its

@@ -66,9 +66,10 @@ def _adopt_tokenization(config, init_from: str, overridden) -> None:
 
 def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
                    init_from: str | None, planning: bool = False, overridden=None):
-  """(config, task, resuming step or None, resume changes): the run's config, fully validated
-  (a bad value is a one-line ConfigError; bad task data a one-line InputError). Reads configs
-  and task data only; writes nothing.
+  """(config, run, task, resuming step or None, resume changes): the run's config as it is saved
+  (config.json) and as the one typed `RunConfig` everything below takes, fully validated (a bad
+  value is a one-line ConfigError; bad task data a one-line InputError), and the task built
+  from its sections. Reads configs and task data only; writes nothing.
 
   A new run adopts `init_from`'s architecture. A resumed run continues under its saved config,
   with the requested changes that are safe on resume (`resume_config.reconcile`; any other
@@ -95,18 +96,17 @@ def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
         f"the {stage_cls.name} stage starts from a trained model: pass "
         "--init_from=SFT_WORKDIR (or a checkpoint dir)")
   try:
-    run_config.validate(config)
+    run = run_config.build(config, **stages.stage_settings(config))
     task = make_task(config, planning=planning)
-    if config.model.vocab_size < task.min_vocab_size:
-      raise ValueError(f"model.vocab_size={config.model.vocab_size} is too small for the task "
+    if run.model.vocab_size < task.min_vocab_size:
+      raise ValueError(f"model.vocab_size={run.model.vocab_size} is too small for the task "
                        f"(needs {task.min_vocab_size})")
-    stage_cls.validate_config(config)
   except errors.InputError:
     raise
   except (KeyError, TypeError, ValueError) as e:
     after = " after the resume changes" if changes else ""
     raise errors.ConfigError(f"bad config{after}: {errors.one_line(e)}") from None
-  return config, task, step, changes
+  return config, run, task, step, changes
 
 
 def check_init_from(init_from: str | None, workdir: str) -> None:
@@ -201,18 +201,20 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
   """
   # ---------------------------------------------------------------- configuration
   check_init_from(init_from, workdir)
-  config, task, start_step, changes = prepare_config(config, workdir, init_from,
-                                                     overridden=overridden)
+  config, run, task, start_step, changes = prepare_config(config, workdir, init_from,
+                                                          overridden=overridden)
   with workdir_lock.hold(workdir, enabled=jax.process_index() == 0):
-    return _train(config, task, workdir, start_step, changes, init_from, stop_at)
+    return _train(config, run, task, workdir, start_step, changes, init_from, stop_at)
 
 
-def _train(config, task: Task, workdir: str, start_step, changes, init_from, stop_at) -> dict:
+def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: Task, workdir: str,
+           start_step, changes, init_from, stop_at) -> dict:
+  """The run itself; `config` is only written to the workdir (config.json), `run` is read."""
   if start_step is not None and init_from:
     print(f"resuming {workdir}: --init_from applies only to a new run")
-  setup = training_state.make_setup(config)
+  setup = training_state.make_setup(run)
   train_cfg = setup.train_cfg
-  stage = stages.make_stage(config, task, setup)
+  stage = stages.make_stage(task, setup)
   report = task.data_report()
   if report:
     print(report)
@@ -220,15 +222,14 @@ def _train(config, task: Task, workdir: str, start_step, changes, init_from, sto
   # ---------------------------------------------------------------- state
   if start_step is not None:
     # The newest readable checkpoint (a damaged newer one is moved aside, with a notice).
-    state, frozen, start_step = training_state.restore_state(workdir, config, setup,
-                                                        move_damaged=True)
+    state, frozen, start_step = training_state.restore_state(workdir, setup, move_damaged=True)
     print(f"resumed from step {start_step} in {workdir}")
     record_resume_changes(workdir, config, changes, start_step)
   else:
     start_step = 0
     if init_from:
       print(f"initialising from {init_from}")
-    state, frozen = training_state.new_state(config, setup, init_from)
+    state, frozen = training_state.new_state(setup)
     checkpointing.save_config(workdir, config)
   provenance.record_start(workdir, start_step)  # run_info.json: this invocation's provenance
   # After the restore: a checkpoint moved aside is not one of the manager's steps.
@@ -250,11 +251,11 @@ def _train(config, task: Task, workdir: str, start_step, changes, init_from, sto
       setup, stage.loss_fn, state_sh, frozen_sh,
       update_step.batch_shardings(setup, stage.batch_shapes()), stage.update_stream)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
-  eval_cfg = config.eval
+  eval_cfg = run.eval
   eval_prompts = task.eval_prompts() if eval_cfg.every_steps > 0 else None
-  eval_sampler_cfg = run_config.sampler_config(config, task.stop_token_ids)
+  eval_sampler_cfg = run.sampler.with_stops(task.stop_token_ids)
   generate_fn = sampler.make_generate_fn(model_cfg, eval_sampler_cfg)
-  trace_rows = min(eval_cfg.get("trace_examples", 0), len(eval_prompts or ()))
+  trace_rows = min(eval_cfg.trace_examples, len(eval_prompts or ()))
   trace_fn = (sampler.make_generate_fn(model_cfg, eval_sampler_cfg.replace(record_trajectory=True))
               if trace_rows else None)
   stage.start(state, frozen, start_step, workdir)

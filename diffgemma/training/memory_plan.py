@@ -57,13 +57,13 @@ def training_program(config: ml_collections.ConfigDict, init_from: str | None = 
   """(jitted update step, its abstract arguments (state, frozen, batch), setup, stage) of a
   config on its mesh, as a run would build them; nothing is allocated. With `init_from` the
   architecture is read from that checkpoint's config (no weights read)."""
-  config, task, _, _ = loop.prepare_config(config, None, init_from, planning=True)
-  setup = training_state.make_setup(config)
-  stage = stages.make_stage(config, task, setup)
+  _, run, task, _, _ = loop.prepare_config(config, None, init_from, planning=True)
+  setup = training_state.make_setup(run)
+  stage = stages.make_stage(task, setup)
   frozen = None
   if setup.uses_lora:
     frozen = training_state.sharded_shapes(training_state.base_params_shape(setup), setup)
-  state = training_state.abstract_state(config, setup, frozen)
+  state = training_state.abstract_state(setup, frozen)
   batch_shapes = stage.batch_shapes()
   batch_sh = update_step.batch_shardings(setup, batch_shapes)
   batch = jax.tree_util.tree_map(
@@ -84,8 +84,12 @@ def dry_run(config: ml_collections.ConfigDict, init_from: str | None = None) -> 
   programs = {"update step": _memory(*_compile(step_fn, state, frozen, batch), device_memory)}
   for name, (fn, args) in stage.planned_programs(state, frozen).items():
     programs[name] = _memory(*_compile(fn, *args), device_memory)
+  run = setup.run
   return {
       "devices": setup.mesh.size, "mesh": dict(setup.mesh.shape), "programs": programs,
+      "batch_size": run.train.batch_size, "canvas_length": run.model.canvas_length,
+      "grad_accum_steps": run.train.grad_accum_steps, "remat": run.model.remat,
+      "optimizer": run.optimizer.name, "optimizer_state_dtype": run.optimizer.state_dtype,
       "frozen_params_gib": 0.0 if frozen is None else _bytes_per_device(frozen) / GIB,
       "trained_params_gib": _bytes_per_device(state["params"]) / GIB,
       "optimizer_gib": _bytes_per_device(state["opt_state"]) / GIB,
@@ -93,13 +97,12 @@ def dry_run(config: ml_collections.ConfigDict, init_from: str | None = None) -> 
   }
 
 
-def format_report(report: dict, config) -> str:
+def format_report(report: dict) -> str:
   mesh = " ".join(f"{k}={v}" for k, v in report["mesh"].items())
-  lines = [f"dry run: {report['devices']} devices ({mesh}), batch {config.batch_size}, canvas "
-           f"{config.model.canvas_length}, grad_accum_steps {config.get('grad_accum_steps', 1)}, "
-           f"remat {config.model.get('remat', 'none')}, optimizer "
-           f"{config.optimizer.get('name', 'adamw')} ({config.optimizer.get('state_dtype', 'float32')}"
-           " state)"]
+  lines = [f"dry run: {report['devices']} devices ({mesh}), batch {report['batch_size']}, "
+           f"canvas {report['canvas_length']}, grad_accum_steps {report['grad_accum_steps']}, "
+           f"remat {report['remat']}, optimizer {report['optimizer']} "
+           f"({report['optimizer_state_dtype']} state)"]
   for name, p in report["programs"].items():
     rows = [("arguments", p["arguments_gib"]), ("outputs", p["outputs_gib"]),
             ("  of which aliased to arguments", p["aliased_gib"]),

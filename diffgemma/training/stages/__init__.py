@@ -36,9 +36,16 @@ def stage_class(config: ml_collections.ConfigDict) -> type[Stage]:
   return getattr(importlib.import_module(module), cls)
 
 
-def make_stage(config: ml_collections.ConfigDict, task, setup) -> Stage:
-  """The run's stage, built from its validated config, task and setup."""
-  return stage_class(config)(config, task, setup)
+def stage_settings(config: ml_collections.ConfigDict) -> dict:
+  """{"stage": name, "stage_settings": the stage's typed section}: the stage's part of
+  `runs.run_config.build` (ValueError, one line, if its section is bad)."""
+  return {"stage": stage_name(config), "stage_settings": stage_class(config).settings(config)}
 
 
-__all__ = ["STAGES", "Stage", "make_stage", "stage_class", "stage_name"]
+def make_stage(task, setup) -> Stage:
+  """The run's stage (`setup.run.stage`), built from its typed settings, task and setup."""
+  module, cls = STAGES[setup.run.stage]
+  return getattr(importlib.import_module(module), cls)(setup.run.stage_settings, task, setup)
+
+
+__all__ = ["STAGES", "Stage", "make_stage", "stage_class", "stage_name", "stage_settings"]

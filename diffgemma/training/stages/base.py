@@ -21,7 +21,8 @@ Programs = dict[str, tuple[Any, tuple]]
 
 @runtime_checkable
 class Stage(Protocol):
-  """One training stage. Built as `Stage(config, task, setup)` after the config is validated."""
+  """One training stage. Built as `Stage(settings, task, setup)` from the typed run config:
+  `settings` its own section (`Stage.settings`), `setup` the run's typed sections and mesh."""
 
   name: ClassVar[str]  # the registry name; also the progress bar's label
   # None: a step's key is fold_in(rng, step); else fold_in(fold_in(rng, stream), step).
@@ -30,8 +31,9 @@ class Stage(Protocol):
   requires_init_from: ClassVar[bool]
 
   @staticmethod
-  def validate_config(config: ConfigDict) -> None:
-    """The stage's own config checks, before anything is written (ValueError, one line)."""
+  def settings(config: ConfigDict) -> Any:
+    """The stage's own section of the config, typed and checked, before anything is written
+    (ValueError, one line); it becomes `RunConfig.stage_settings` (None: the stage has none)."""
 
   def loss_fn(self, params, batch, rng) -> tuple[jax.Array, dict]:
     """(scalar loss, metrics) of one batch; `params` are what the model runs."""

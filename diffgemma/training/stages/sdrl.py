@@ -123,34 +123,24 @@ class SdrlConfig:
 _SECTIONS = ("reward", "prompts", "rollout_sampler", "reward_fn")
 
 
-def sdrl_config(config: ml_collections.ConfigDict) -> SdrlConfig:
-  """The generic SD·RL knobs; `reward` (shaping here, the verifier's keys the task's),
-  `prompts` and `reward_fn` are read by the task, `rollout_sampler` by
-  `rollout_sampler_config`."""
+@dataclasses.dataclass(frozen=True)
+class SdrlSettings:
+  """The SD·RL stage's typed section: its generic knobs, the rollout sampler (without the
+  task's stop ids) and the reward shaping. The task reads its own keys of `sdrl` (`prompts`,
+  the verifier's `reward` keys, `reward_fn`) when it is built."""
+
+  cfg: SdrlConfig
+  rollout_sampler: sampler.SamplerConfig
+  shaping: rewards.ShapingConfig
+
+
+def settings(config: ml_collections.ConfigDict) -> SdrlSettings:
+  """The `sdrl` section typed and checked against the run's schedule (ValueError, one line)."""
   section = {k: v for k, v in config.sdrl.to_dict().items() if k not in _SECTIONS}
-  return SdrlConfig(**section)
-
-
-def rollout_sampler_config(config: ml_collections.ConfigDict,
-                           stop_token_ids=()) -> sampler.SamplerConfig:
-  """The sampler of the rollouts (`sdrl.rollout_sampler`), always recording trajectories."""
-  cfg = sampler.SamplerConfig(**config.sdrl.rollout_sampler.to_dict())
-  stops = tuple(dict.fromkeys(tuple(cfg.stop_token_ids) + tuple(stop_token_ids)))
-  return cfg.replace(record_trajectory=True, mode=sampler.DIFFUSION, stop_token_ids=stops)
-
-
-def num_states(cfg: SdrlConfig, sampler_cfg: sampler.SamplerConfig) -> int:
-  """M: states per canvas trajectory."""
-  if cfg.state_selection == "all" and cfg.mode != "rl":
-    return sampler_cfg.max_denoising_steps
-  return cfg.states_per_trajectory
-
-
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """The generic SD·RL checks (the task checks its own keys when it is built)."""
-  cfg = sdrl_config(config)
-  rollout_sampler_config(config)
-  rewards.shaping_config(config.sdrl.get("reward"))
+  cfg = SdrlConfig(**section)
+  rollout = sampler.SamplerConfig(**config.sdrl.rollout_sampler.to_dict()).replace(
+      record_trajectory=True, mode=sampler.DIFFUSION)
+  shaping = rewards.shaping_config(config.sdrl.get("reward"))
   # Checkpoints (and the end) fall between rollouts, so a resumed run redraws the same ones.
   for name in ("checkpoint_every", "num_train_steps"):
     if config[name] % cfg.updates_per_rollout:
@@ -161,6 +151,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                      ("sdrl.anchor_batch_size", cfg.anchor_batch_size)):
     if rows % accum:
       raise ValueError(f"grad_accum_steps={accum} does not divide the {name} = {rows}")
+  return SdrlSettings(cfg, rollout, shaping)
+
+
+def num_states(cfg: SdrlConfig, sampler_cfg: sampler.SamplerConfig) -> int:
+  """M: states per canvas trajectory."""
+  if cfg.state_selection == "all" and cfg.mode != "rl":
+    return sampler_cfg.max_denoising_steps
+  return cfg.states_per_trajectory
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -450,18 +448,17 @@ class SdrlStage:
   name = "sdrl"
   update_stream = _UPDATE_STREAM  # the update's randomness: stream_key(rng, this, step)
   requires_init_from = True
-  validate_config = staticmethod(validate_config)
+  settings = staticmethod(settings)
 
-  def __init__(self, config, task: RlTask, setup: training_state.Setup):
-    validate_config(config)
+  def __init__(self, settings: SdrlSettings, task: RlTask, setup: training_state.Setup):
     if not isinstance(task, RlTask):
       raise ValueError(f"the {task.name} task has no rollout prompts or rewards (it is no "
                        "RlTask): SD·RL cannot train on it; use stage='sft'")
     self.task, self.setup = task, setup
-    self.cfg = sdrl_config(config)
-    self.rollout_cfg = rollout_sampler_config(config, task.stop_token_ids)
-    self.shaping = rewards.shaping_config(config.sdrl.get("reward"))
-    self.num_steps = config.num_train_steps
+    self.cfg = settings.cfg
+    self.rollout_cfg = settings.rollout_sampler.with_stops(task.stop_token_ids)
+    self.shaping = settings.shaping
+    self.num_steps = setup.train_cfg.num_train_steps
     if self.cfg.cell_weighting != "none" and task.token_weights(
         task.rollout_prompts(0, 1), np.zeros((1, task.layout.response_len), np.int32)) is None:
       raise ValueError(f"sdrl.cell_weighting={self.cfg.cell_weighting!r}: the "
@@ -471,8 +468,7 @@ class SdrlStage:
     if self.cfg.anchor == "kl" and not setup.uses_lora:
       # The initial parameters; a LoRA run's reference is its frozen base (adapters start at 0).
       self._reference = training_state.load_initial_params(
-          ml_collections.ConfigDict(config.to_dict()), config.init_from, setup.mesh,
-          setup.rules)
+          setup.model_cfg, setup.run.init_from, setup.train_cfg.seed, setup.mesh, setup.rules)
     self._anchor_batches = self._rollout = None
 
   def start(self, state, frozen, start_step: int, workdir: str):

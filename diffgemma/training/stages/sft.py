@@ -22,13 +22,14 @@ class SftStage:
   requires_init_from = False
 
   @staticmethod
-  def validate_config(config: ml_collections.ConfigDict) -> None:
-    del config  # every SFT key is checked by runs.validation and the task
+  def settings(config: ml_collections.ConfigDict) -> None:
+    del config  # SFT has no section of its own: runs.run_config and the task check its keys
 
-  def __init__(self, config: ml_collections.ConfigDict, task: Task, setup: Setup):
+  def __init__(self, settings: None, task: Task, setup: Setup):
+    del settings
     self.task, self.setup = task, setup
-    self.batch_size = config.batch_size
-    self.num_steps = config.num_train_steps
+    self.batch_size = setup.train_cfg.batch_size
+    self.num_steps = setup.train_cfg.num_train_steps
     self.layout = task.layout
     self._batches = None
 
