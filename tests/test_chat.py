@@ -448,10 +448,10 @@ def test_a_memory_plan_of_a_chat_recipe_needs_no_tokenizer_or_data(tmp_path):
   from configs import sft_pubmedqa_lora
   from diffgemma.training import loop
 
-  config, task, _, _ = loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None,
+  config, run, task, _, _ = loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None,
                                                  planning=True)
   assert (task.layout.prompt_len, task.layout.num_canvases) == (1024, 2)
-  assert task.layout.canvas_length == config.model.canvas_length == 256
+  assert task.layout.canvas_length == config.model.canvas_length == run.model.canvas_length == 256
   # A real run still needs both.
   with pytest.raises(ValueError, match="data.train"):
     loop.prepare_config(sft_pubmedqa_lora.get_config(), None, None)

@@ -214,7 +214,7 @@ def test_a_run_from_a_sudoku_run_keeps_its_prompt_format(tmp_path, capsys):
   source.model.vocab_size = 832
   os.makedirs(tmp_path / "checkpoints")
   checkpointing.save_config(str(tmp_path), source)
-  config, task, _, _ = loop.prepare_config(tiny_sudoku_config(), None, str(tmp_path))
+  config, _, task, _, _ = loop.prepare_config(tiny_sudoku_config(), None, str(tmp_path))
   assert config.data.prompt_format == "cell_tokens" and task.prompt_format == "cell_tokens"
   assert "data.prompt_format: 'digits' -> 'cell_tokens'" in capsys.readouterr().out
   with pytest.raises(errors.ConfigError, match="drop the override"):
