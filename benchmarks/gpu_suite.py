@@ -1,6 +1,7 @@
 """Every GPU figure of the 26B-A4B in one command: one table, printed and written to --out.
 
-  python benchmarks/gpu_suite.py --out=DIR           # one H100 / H200: about 8 minutes
+  python benchmarks/gpu_suite.py --out=DIR           # one H100 / H200 (its run time is unmeasured;
+                                                     # --budget_minutes bounds it)
   python benchmarks/gpu_suite.py --smoke --out=DIR   # CPU, tiny shapes, the suite's code paths
 
 Writes DIR/gpu_suite.md (the table, with device name, date and measured peaks) and

@@ -32,8 +32,9 @@ _PARALLEL = flags.DEFINE_integer("parallel", 1, "Points trained at the same time
 _INIT_FROM = flags.DEFINE_string("init_from", None, "Passed to every train.py (a new run starts "
                                  "from this checkpoint).")
 _EVAL_DATA = flags.DEFINE_string(
-    "eval_data", None, "Kaggle-format Sudoku CSV: after training, evaluate each point with "
-    "eval.py (results join the table).")
+    "eval_data", None, "The task's held-out file (Sudoku: Kaggle-format CSV; chat: JSONL): "
+    "after training, evaluate each point with eval.py (results join the table, headed by the "
+    "task's headline metric).")
 _EVAL_LIMIT = flags.DEFINE_integer("eval_limit", None, "eval.py --limit for --eval_data.")
 _OUT = flags.DEFINE_string("out", None, "Comparison plot (PNG); default ROOT/compare.png; "
                            "'' for none.")
