@@ -297,7 +297,8 @@ def test_convert_cli_and_init_from_a_converted_run(tmp_path):
   # from its exact parameters, records where it came from, and resumes under it.
   wider = tiny_sudoku_config(workdir_steps=2)
   wider.model.hidden_size = 24
-  with pytest.raises(ValueError, match="hidden_size differ"):  # the entry point adopts first
+  # The entry point adopts the checkpoint's architecture first; loading never changes it.
+  with pytest.raises(ValueError, match="hidden_size.* differ from the run"):
     training_state.load_initial_params(run_config.build(wider).model, exported, wider.seed)
   training_state.adopt_checkpoint_architecture(wider, exported)
   assert wider.model.hidden_size == 16
