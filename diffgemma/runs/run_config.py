@@ -99,7 +99,6 @@ class RunConfig:
     is known (`sampler.SamplerConfig.with_stops`).
   stage / stage_settings: the stage's registry name and its typed section (None for SFT; see
     `training.stages`).
-  task: the task's registry name (its typed settings live in the `Task`).
   init_from: the checkpoint a new run starts from (absolute), or None.
   """
 
@@ -112,7 +111,6 @@ class RunConfig:
   quantize: quantize.QuantizeConfig | None
   sharding: sharding.ShardingConfig
   eval: EvalConfig
-  task: str = "sudoku"
   stage: str = "sft"
   stage_settings: Any = None
   init_from: str | None = None
@@ -127,14 +125,13 @@ def build(config: ml_collections.ConfigDict, stage: str = "sft",
   (`training.stages.stage_settings`), which sits above this module.
   """
   validation.validate_run_config(config)
-  task = config.get("task")
+  lora_cfg = _lora_config(config)
   return RunConfig(
       train=_train_config(config), model=_model_config(config), loss=_loss_config(config),
       sampler=sampler.SamplerConfig(**config.sampler.to_dict()),
       optimizer=optimizer.OptimizerConfig(**config.optimizer.to_dict()),
-      lora=_lora_config(config), quantize=_quantize_config(config),
-      sharding=_sharding_config(config), eval=_eval_config(config),
-      task=(task.get("name", "sudoku") if task is not None else "sudoku"), stage=stage,
+      lora=lora_cfg, quantize=_quantize_config(config, lora_cfg),
+      sharding=_sharding_config(config), eval=_eval_config(config), stage=stage,
       stage_settings=stage_settings, init_from=config.get("init_from") or None)
 
 
@@ -172,10 +169,10 @@ def _lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig:
   return cfg
 
 
-def _quantize_config(config: ml_collections.ConfigDict) -> quantize.QuantizeConfig | None:
+def _quantize_config(config: ml_collections.ConfigDict,
+                     lora_cfg: lora.LoraConfig) -> quantize.QuantizeConfig | None:
   """A QLoRA run's base quantization: lora.base_dtype "int8" / "int4", refined by an optional
   `quantize` section (quantize.QuantizeConfig fields but dtype); None for any other run."""
-  lora_cfg = _lora_config(config)
   if not lora_cfg.enabled or lora_cfg.base_dtype not in quantize.QTYPES:
     return None
   fields = config.quantize.to_dict() if "quantize" in config else {}

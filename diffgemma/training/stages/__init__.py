@@ -32,20 +32,24 @@ def stage_name(config: ml_collections.ConfigDict) -> str:
 
 
 def stage_class(config: ml_collections.ConfigDict) -> type[Stage]:
-  module, cls = STAGES[stage_name(config)]
+  return _registered(stage_name(config))
+
+
+def _registered(name: str) -> type[Stage]:
+  module, cls = STAGES[name]
   return getattr(importlib.import_module(module), cls)
 
 
 def stage_settings(config: ml_collections.ConfigDict) -> dict:
   """{"stage": name, "stage_settings": the stage's typed section}: the stage's part of
   `runs.run_config.build` (ValueError, one line, if its section is bad)."""
-  return {"stage": stage_name(config), "stage_settings": stage_class(config).settings(config)}
+  name = stage_name(config)
+  return {"stage": name, "stage_settings": _registered(name).settings(config)}
 
 
 def make_stage(task, setup) -> Stage:
   """The run's stage (`setup.run.stage`), built from its typed settings, task and setup."""
-  module, cls = STAGES[setup.run.stage]
-  return getattr(importlib.import_module(module), cls)(setup.run.stage_settings, task, setup)
+  return _registered(setup.run.stage)(setup.run.stage_settings, task, setup)
 
 
 __all__ = ["STAGES", "Stage", "make_stage", "stage_class", "stage_name", "stage_settings"]
