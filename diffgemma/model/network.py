@@ -698,21 +698,36 @@ def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_le
 # ----------------------------------------------------------------------------- init
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _normal_leaf(key, std, shape, dtype):
+  """std * normal(key, shape) in `dtype`: one small program per (shape, dtype)."""
+  return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _ones_leaf(shape, dtype):
+  return jnp.ones(shape, dtype)
+
+
 def init_params(cfg: ModelConfig, rng, std: float | None = None) -> Params:
   """Random parameters: normal(std) linears and embedding (std defaults to
-  cfg.initializer_range), unit norms and scales, q/k norms at cfg.qk_norm_init. Jitted: one
-  compiled program instead of hundreds of op-by-op dispatches."""
+  cfg.initializer_range), unit norms and scales, q/k norms at cfg.qk_norm_init.
+
+  Each leaf is drawn by a small jitted program per distinct shape (a few compiles, reused
+  across layers and models): one program holding every leaf's draw took XLA:CPU ~20 s to
+  compile for the 7-layer test model, far more than the draws. Same values either way.
+  """
   std = cfg.initializer_range if std is None else std
+  std = jnp.float32(std)
   dt = jnp.dtype(cfg.param_dtype)
   d, f = cfg.hidden_size, cfg.intermediate_size
-  keys = iter(jax.random.split(rng, 8 + 12 * cfg.num_layers))
+  keys = iter(list(jax.random.split(rng, 8 + 12 * cfg.num_layers)))
 
   def normal(shape):
-    return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+    return _normal_leaf(next(keys), std, tuple(shape), dt)
 
   def ones(shape):
-    return jnp.ones(shape, dt)
+    return _ones_leaf(tuple(shape), dt)
 
   layers = []
   for i in range(cfg.num_layers):
@@ -731,7 +746,7 @@ def init_params(cfg: ModelConfig, rng, std: float | None = None) -> Params:
         **{name: ones((d,)) for name in (
             "input_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm", "post_ffw_norm_1",
             "pre_ffw_norm_2", "post_ffw_norm_2")},
-        "layer_scalar": jnp.ones((), dt),
+        "layer_scalar": ones(()),
     })
   return {
       "embedding": normal((cfg.vocab_size, d)),
