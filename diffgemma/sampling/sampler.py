@@ -56,7 +56,8 @@ class SamplerConfig:
   # instead of [B, C, V] logits. Same results as the unfused step (up to float rounding).
   fused_step: bool = False
   # Fused step only: truncate the tempered distribution to its top_k tokens (renormalised) for
-  # the draw, the entropy and the self-conditioning; 0 = off (the reference's semantics).
+  # the draw, the entropy and the self-conditioning; 0 (or >= vocab_size) = off (the
+  # reference's semantics).
   top_k: int = 0
 
   def __post_init__(self):
@@ -340,9 +341,9 @@ def fused_sample(params, model_cfg: ModelConfig, tempered_BxCxV, rng, top_k: int
   Returns (sampled_BxC, argmax_BxC, entropy_BxC, self_cond_embedding_BxCxD). With top_k > 0 the
   distribution is truncated to the top_k logits and renormalised: the draw, the entropy and the
   embedding (top_k gathered rows instead of a [V, D] matmul) all use the truncated one; the
-  argmax is unchanged.
+  argmax is unchanged. top_k >= V truncates nothing: the same program as top_k = 0.
   """
-  if top_k:
+  if 0 < top_k < tempered_BxCxV.shape[-1]:
     top_logits_BxCxK, top_ids_BxCxK = jax.lax.top_k(tempered_BxCxV, top_k)
     log_probs_BxCxK = jax.nn.log_softmax(top_logits_BxCxK, axis=-1)
     choice_BxC = sample_categorical(rng, log_probs_BxCxK)
