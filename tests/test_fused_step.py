@@ -6,8 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffgemma.model import network
-from diffgemma.model.config import tiny
+from diffgemma.model.config import FULL, SLIDING, tiny
 from diffgemma.sampling import sampler
+
+# The sampler's step is the same whatever the depth: one sliding and one full layer (both
+# attention kinds) compile in a third of the 7-layer test model's time.
+DEPTH = dict(num_layers=2, layer_types=(SLIDING, FULL))
+
 
 def test_fused_step_equals_the_unfused_step_along_a_trajectory():
   """Step by step on the unfused trajectory: the fused step, given the same state (its
@@ -16,7 +21,7 @@ def test_fused_step_equals_the_unfused_step_along_a_trajectory():
   (Whole generations are not compared: self-conditioning feeds each step's logits into the
   next, so float rounding differences grow about 3x per step with random weights.)
   """
-  model_cfg = tiny(canvas_length=8, moe_impl="tiled")
+  model_cfg = tiny(canvas_length=8, moe_impl="tiled", **DEPTH)
   params = network.init_params(model_cfg, jax.random.PRNGKey(1), 0.3)
   cache = network.init_cache(model_cfg, 3, 5 + 8)
   prompt = jax.random.randint(jax.random.PRNGKey(2), (3, 5), 3, model_cfg.vocab_size)
@@ -49,9 +54,10 @@ def test_fused_step_equals_the_unfused_step_along_a_trajectory():
 def test_fused_generate_equals_the_unfused_generate_and_top_k_runs():
   """Whole generations on a tame model (the default small init, where float rounding does not
   flip decisions within 6 steps): the fused step without truncation returns exactly the
-  unfused step's tokens and statistics (same draws, same stopping). With top_k the draws
-  differ by design; the run keeps the same shapes and bookkeeping invariants."""
-  model_cfg = tiny(canvas_length=8, moe_impl="tiled")
+  unfused step's tokens and statistics (same draws, same stopping), and so does top_k >=
+  vocab_size (it truncates nothing). With top_k < V the draws differ by design; the run keeps
+  the same shapes and bookkeeping invariants."""
+  model_cfg = tiny(canvas_length=8, moe_impl="tiled", **DEPTH)
   params = network.init_params(model_cfg, jax.random.PRNGKey(1))
   prompt = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 3, model_cfg.vocab_size)
 
@@ -66,6 +72,10 @@ def test_fused_generate_equals_the_unfused_generate_and_top_k_runs():
   for key in plain:
     np.testing.assert_array_equal(fused[key], plain[key], err_msg=key)
   assert plain["tokens"].shape == (2, 16) and np.all(plain["decoder_passes"] > 0)
+  for top_k in (model_cfg.vocab_size, model_cfg.vocab_size + 7):
+    untruncated = generate(fused_step=True, top_k=top_k)
+    for key in plain:
+      np.testing.assert_array_equal(untruncated[key], fused[key], err_msg=f"top_k={top_k}: {key}")
   truncated = generate(fused_step=True, top_k=4)
   assert sorted(truncated) == sorted(plain)
   for key in plain:
@@ -95,6 +105,13 @@ def test_top_k_truncation_matches_float64():
   np.testing.assert_allclose(embedding, expected, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(argmax, ids[..., 0])
   assert (np.asarray(sampled)[..., None] == ids).any(-1).all()  # every draw is in the top k
+  # top_k >= V truncates nothing: every output equals top_k = 0's, bit for bit.
+  plain = jax.jit(lambda t, r, k: sampler.fused_sample(params, model_cfg, t, r, k),
+                  static_argnums=2)
+  for top_k_all in (model_cfg.vocab_size, model_cfg.vocab_size + 1):
+    for a, b in zip(plain(tempered, jax.random.PRNGKey(4), top_k_all),
+                    plain(tempered, jax.random.PRNGKey(4), 0)):
+      np.testing.assert_array_equal(a, b, err_msg=f"top_k={top_k_all}")
   # Draws follow the truncated distribution: 4000 draws at one position, chi-square-free check
   # of each frequency within 5 standard errors.
   draws = jax.vmap(lambda r: sampler.fused_sample(params, model_cfg, tempered[:1, :1], r,
