@@ -47,7 +47,7 @@ GRID = ("--grid", "data.seed=1,2", "--grid", "optimizer.lr=1e-3,3e-3")
 POINTS = ["data.seed=1,optimizer.lr=1e-3", "data.seed=1,optimizer.lr=3e-3",
           "data.seed=2,optimizer.lr=1e-3", "data.seed=2,optimizer.lr=3e-3"]
 # Columns of compare_runs' table besides the run name and the differing config keys.
-METRIC_COLUMNS = ["puzzle_accuracy final / best", "cell_accuracy final / best",
+METRIC_COLUMNS = ["puzzle_accuracy final / best", "blank_cell_accuracy final / best",
                   "tokens_per_forward final / best", "steps_per_canvas final / best", "steps",
                   "minutes", "tokens/s"]
 PUZZLE = "53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79"

@@ -292,7 +292,8 @@ def brute_sudoku_metrics(cases, grids):
         blank += 1
         blank_ok += right
   return solved, {"puzzle_accuracy": sum(solved) / len(solved),
-                  "cell_accuracy": blank_ok / blank, "blank_cell_accuracy": blank_ok / blank,
+                  "cell_accuracy": (blank_ok + given_ok) / (blank + given),
+                  "blank_cell_accuracy": blank_ok / blank,
                   "given_cell_accuracy": given_ok / given, "num_puzzles": len(solved)}
 
 
@@ -300,6 +301,8 @@ def test_sudoku_score_equals_a_brute_force_count():
   task, cases, prompts, tokens, grids = sudoku_task_and_rows()
   assert tokens.shape[1] > 81  # the canvases after the grid exist and are ignored
   solved, want = brute_sudoku_metrics(cases, grids)
+  # The rows get some givens wrong, so all cells and blank cells score differently.
+  assert want["cell_accuracy"] != pytest.approx(want["blank_cell_accuracy"], rel=1e-3)
   # The hand verdicts, so the brute force itself is checked: solved rows are exactly these.
   assert [name for (name, _, _), s in zip(cases, solved) if s] == [
       "solved", "another solution of an ambiguous puzzle", "solved, all givens"]
@@ -316,17 +319,19 @@ def test_sudoku_score_equals_a_brute_force_count():
 @pytest.mark.parametrize("row", range(len(sudoku_cases())))
 def test_sudoku_score_of_each_row_alone(row):
   """Each case as a one-puzzle batch: accuracies are that row's own counts (a row with no blank
-  cells scores cell_accuracy 1 by definition, 'nothing could be wrong')."""
+  cells scores blank_cell_accuracy 1 by definition, 'nothing could be wrong')."""
   task, cases, prompts, tokens, grids = sudoku_task_and_rows()
   metrics, _ = task.score(prompts.take(np.array([row])), tokens[row:row + 1], {})
   _, puzzle, _ = cases[row]
   grid, blank = grids[row], puzzle == 0
   right = np.asarray(grid) == SOLUTION
   assert metrics["puzzle_accuracy"] == float(ref_solved(puzzle, grid))
+  assert metrics["cell_accuracy"] == pytest.approx(right.sum() / 81, rel=RTOL)
   if blank.any():
-    assert metrics["cell_accuracy"] == pytest.approx(right[blank].sum() / blank.sum(), rel=RTOL)
+    assert metrics["blank_cell_accuracy"] == pytest.approx(right[blank].sum() / blank.sum(),
+                                                           rel=RTOL)
   else:
-    assert metrics["cell_accuracy"] == 1.0
+    assert metrics["blank_cell_accuracy"] == 1.0
   assert metrics["given_cell_accuracy"] == pytest.approx(right[~blank].sum() / (~blank).sum(),
                                                          rel=RTOL)
 

@@ -135,7 +135,8 @@ def test_heldout_table_leads_with_each_results_headline_metric():
   assert header[:5] == ["run", "optimizer.lr", "count: accuracy", "count: tokens_per_forward",
                         "count: steps_per_canvas"]
   assert [r[2] for r in rows] == ["0.250", "0.500"]
-  sudoku = {"puzzle_accuracy": 0.75, "cell_accuracy": 0.9, "tokens_per_forward": 9.0}
+  sudoku = {"puzzle_accuracy": 0.75, "cell_accuracy": 0.95, "blank_cell_accuracy": 0.9,
+            "tokens_per_forward": 9.0}
   assert compare.headline_metric(sudoku) == "puzzle_accuracy"
   assert compare.heldout_metrics([heldout_run("s", sudoku)], "count") == [
-      "puzzle_accuracy", "cell_accuracy", "tokens_per_forward"]
+      "puzzle_accuracy", "blank_cell_accuracy", "tokens_per_forward"]

@@ -194,9 +194,13 @@ def test_cell_accuracy_hand_computed():
   grids = solutions.copy()
   grids[0, 0] = 0  # wrong blank
   grids[0, 1] = 9  # wrong blank (true digit is 3)
-  grids[1, 50] = 1  # wrong given: does not count
-  assert sudoku.cell_accuracy(puzzles, grids, solutions) == pytest.approx(2 / 4)
-  assert sudoku.cell_accuracy(solutions, grids, solutions) == 1.0  # no blanks
+  grids[1, 50] = 1  # wrong given: counts among all cells, not among blanks
+  assert sudoku.cell_accuracy(puzzles, grids, solutions) == pytest.approx(159 / 162)
+  assert sudoku.cell_accuracy(puzzles, grids, solutions, "all") == pytest.approx(159 / 162)
+  assert sudoku.cell_accuracy(puzzles, grids, solutions, "blank") == pytest.approx(2 / 4)
+  assert sudoku.cell_accuracy(puzzles, grids, solutions, "given") == pytest.approx(157 / 158)
+  assert sudoku.cell_accuracy(solutions, grids, solutions, "blank") == 1.0  # no blanks
+  assert sudoku.cell_accuracy(solutions, grids, solutions) == pytest.approx(159 / 162)
 
 
 # ---------------------------------------------------------------------------

@@ -321,15 +321,13 @@ class SudokuTask(RlTask):
     puzzles, solutions = _puzzles_and_solutions(prompts)
     grids = tokens_to_digits(np.asarray(tokens_NxL)[:, :CANVAS_LEN])
     solved = sudoku.batch_solved(puzzles, grids)
-    given = puzzles != sudoku.BLANK
-    correct = grids == solutions
     metrics = {
         "puzzle_accuracy": float(np.mean(solved)),
-        "cell_accuracy": float(sudoku.cell_accuracy(puzzles, grids, solutions)),
+        "cell_accuracy": sudoku.cell_accuracy(puzzles, grids, solutions, "all"),
         # The early-warning pair: a run on the copy-the-givens plateau gets the givens right
         # and the blanks barely better than chance.
-        "given_cell_accuracy": float(np.sum(correct & given) / max(np.sum(given), 1)),
-        "blank_cell_accuracy": float(np.sum(correct & ~given) / max(np.sum(~given), 1)),
+        "given_cell_accuracy": sudoku.cell_accuracy(puzzles, grids, solutions, "given"),
+        "blank_cell_accuracy": sudoku.cell_accuracy(puzzles, grids, solutions, "blank"),
         "num_puzzles": int(len(grids)),
     }
     predictions = [{"puzzle": _grid_string(p), "grid": _grid_string(g), "solved": bool(s)}

@@ -397,19 +397,21 @@ def puzzle_solved(puzzle_81, grid_81) -> bool:
   return bool(batch_solved(np.asarray(puzzle_81)[None], np.asarray(grid_81)[None])[0])
 
 
-def cell_accuracy(puzzles_Nx81, grids_Nx81, solutions_Nx81) -> float:
-  """Fraction of blank puzzle cells (over the whole batch) where grid == solution.
+def cell_accuracy(puzzles_Nx81, grids_Nx81, solutions_Nx81, cells: str = "all") -> float:
+  """Fraction of the chosen cells (over the whole batch) where grid == solution.
 
-  Givens are excluded: copying them is trivial and would inflate the score.
-  Returns 1.0 when there are no blank cells (nothing could be wrong).
+  cells: "all" (all 81 of each puzzle), "blank" (the cells a puzzle leaves open: copying the
+  givens is trivial, so this is the score that says whether a model solves) or "given".
+  Returns 1.0 when no cell is chosen (nothing could be wrong).
   """
   puzzles_Nx81 = _as_batch(puzzles_Nx81, "puzzles")
-  blank_Nx81 = puzzles_Nx81 == BLANK
-  num_blank = int(blank_Nx81.sum())
-  if num_blank == 0:
+  chosen_Nx81 = {"all": np.ones(puzzles_Nx81.shape, bool), "blank": puzzles_Nx81 == BLANK,
+                 "given": puzzles_Nx81 != BLANK}[cells]
+  num_chosen = int(chosen_Nx81.sum())
+  if num_chosen == 0:
     return 1.0
   correct_Nx81 = _as_batch(grids_Nx81) == _as_batch(solutions_Nx81, "solutions")
-  return float((correct_Nx81 & blank_Nx81).sum()) / num_blank
+  return float((correct_Nx81 & chosen_Nx81).sum()) / num_chosen
 
 
 # ---------------------------------------------------------------------------

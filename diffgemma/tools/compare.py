@@ -21,8 +21,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-# Eval scalars shown when a run has them (Sudoku: puzzle / cell accuracy; text tasks: accuracy).
-EVAL_METRICS = ("eval/puzzle_accuracy", "eval/cell_accuracy", "eval/accuracy",
+# Eval scalars shown when a run has them (Sudoku: puzzle / blank-cell accuracy; text tasks:
+# accuracy).
+EVAL_METRICS = ("eval/puzzle_accuracy", "eval/blank_cell_accuracy", "eval/accuracy",
                 "eval/tokens_per_forward", "eval/steps_per_canvas")
 LOWER_IS_BETTER = ("eval/steps_per_canvas",)
 ACCURACY_TAGS = ("eval/puzzle_accuracy", "eval/accuracy")  # the quality axis, first present
@@ -31,7 +32,7 @@ LOSS_TAG = "loss"
 THROUGHPUT_TAG = "tokens_per_second"
 HELDOUT_DIR = "eval"  # workdir/eval/NAME.json: eval.py results (sweep.py --eval_data)
 # Held-out columns: each result's headline metric (eval.py names it), then these when present.
-HELDOUT_METRICS = ("cell_accuracy", "tokens_per_forward", "steps_per_canvas")
+HELDOUT_METRICS = ("blank_cell_accuracy", "tokens_per_forward", "steps_per_canvas")
 # The headline of a result written before eval.py named it: the first of these it holds.
 LEGACY_HEADLINES = ("puzzle_accuracy", "accuracy")
 # Figure geometry: every panel is PANEL_W_IN x PANEL_H_IN inches at DPI; two rows (against step,
