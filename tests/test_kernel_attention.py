@@ -159,12 +159,56 @@ def test_skipped_kv_blocks_are_never_read():
     assert_close(a, b, TOLERANCE[jnp.float32], what, min_scale=1.0)
 
 
+def numpy_attention(q, k, v, mask):
+  """float64 softmax attention; a row with no visible key gets the uniform average of v over
+  all S keys (what the reference's softmax of S equal finfo.min scores gives)."""
+  q, k, v, mask = (np.asarray(x, np.float64) for x in (q, k, v, mask))
+  group = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)  # [B, S, H, d]
+  scores = np.einsum("bthd,bshd->bhts", q, k)
+  visible = np.broadcast_to(mask[:, None].astype(bool), scores.shape)
+  scores = np.where(visible, scores, -np.inf)
+  weights = np.exp(scores - scores.max(-1, keepdims=True, initial=-1e300))
+  weights = np.where(visible, weights, 0.0)
+  total = weights.sum(-1, keepdims=True)
+  uniform = np.full_like(weights, 1.0 / weights.shape[-1])
+  weights = np.where(total > 0, weights / np.where(total > 0, total, 1.0), uniform)
+  return np.einsum("bhts,bshd->bthd", weights, v)
+
+
 def test_padding_queries_with_no_visible_key_match_reference():
-  """The reference gives such rows the uniform average of v; the case above must contain some."""
+  """Left-padding queries see no key. On them the kernel returns what the reference defines, the
+  uniform average of v over all S keys, and passes their cotangent to v as 1/S per key (to q and
+  k nothing); on the valid rows it is the softmax over the visible keys. Checked against a
+  float64 numpy computation and against model.attend."""
   case = CASES["encoder_window_padded_hd24"]
-  _, mask_args, _ = make_inputs(case)
-  sees_nothing = ~np.asarray(attention_mask.attention_mask(*mask_args, case.window)).any(-1)
-  assert sees_nothing.sum() == case.left_pad[0]
+  (q, k, v), mask_args, cotangent = make_inputs(case)
+  mask = np.asarray(attention_mask.attention_mask(*mask_args, case.window))
+  sees_nothing_BxT = ~mask.any(-1)
+  assert sees_nothing_BxT.sum() == case.left_pad[0]  # the case has padding rows, in example 0
+  kernel = functools.partial(canvas_attention, sliding_window=case.window, block_q=case.block_q,
+                             block_kv=case.block_kv, block_kv_bwd=case.block_kv_bwd)
+  attention = lambda q, k, v: kernel(q, k, v, *mask_args)
+  out = np.asarray(jax.jit(attention)(q, k, v), np.float64)
+  expected = numpy_attention(q, k, v, mask)
+  group = case.heads // case.kv_heads
+  mean_v = np.repeat(np.asarray(v, np.float64).mean(1), group, axis=1)  # [B, H, d]
+  np.testing.assert_allclose(expected[sees_nothing_BxT], np.broadcast_to(
+      mean_v[:, None], expected.shape)[sees_nothing_BxT], rtol=0, atol=1e-12)
+  tol = TOLERANCE[jnp.float32]
+  for rows, what in ((sees_nothing_BxT, "padding rows"), (~sees_nothing_BxT, "valid rows")):
+    np.testing.assert_allclose(out[rows], expected[rows], rtol=0, atol=tol, err_msg=what)
+  ref = np.asarray(reference(q, k, v, *mask_args, case.window), np.float64)
+  np.testing.assert_allclose(out, ref, rtol=0, atol=tol)
+  # Gradients of the padding rows alone: d(mean of v)/dv = 1/S for every key of the kv head.
+  padding_cotangent = jnp.where(jnp.asarray(sees_nothing_BxT)[:, :, None, None], cotangent, 0.0)
+  _, (dq, dk, dv) = run_jitted(attention, (q, k, v), padding_cotangent)
+  b, s = v.shape[:2]
+  per_kv_head = np.asarray(padding_cotangent, np.float64).reshape(
+      b, case.length, case.kv_heads, group, case.head_dim).sum((1, 3))
+  expected_dv = np.broadcast_to(per_kv_head[:, None] / s, v.shape)
+  np.testing.assert_allclose(np.asarray(dv, np.float64), expected_dv, rtol=0, atol=tol)
+  assert not np.asarray(dq).any() and not np.asarray(dk).any()
 
 
 def test_rejects_bad_shapes():
