@@ -25,27 +25,6 @@ def _leaves_equal(a, b):
   return all(x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
 
 
-def _max_logit_diff(ref_model, cfg, params, seed=0):
-  """Max |ours - reference| over encoder logits of a padded prompt and decoder logits of one
-  canvas with self-conditioning on half of the rows."""
-  rng = np.random.default_rng(seed)
-  batch, prompt_len, canvas_len = 2, 11, cfg.canvas_length
-  prompt = rng.integers(3, cfg.vocab_size, (batch, prompt_len))
-  valid = np.arange(prompt_len)[None, :] >= np.array([[0], [3]])
-  prompt = np.where(valid, prompt, cfg.pad_token_id)
-  session = reference.ReferenceSession(ref_model, valid)
-  cache = network.init_cache(cfg, batch, prompt_len + canvas_len)
-  hidden, cache = network.encode(params, cfg, jnp.asarray(prompt), cache, jnp.asarray(valid))
-  enc = np.abs(np.asarray(network.lm_head(params, hidden, cfg)) - session.encode(prompt))[valid]
-  canvas = rng.integers(0, cfg.vocab_size, (batch, canvas_len))
-  sc = rng.normal(0.0, 3.0, (batch, canvas_len, cfg.vocab_size)).astype(np.float32)
-  sc_mask = np.array([True, False])
-  ours = network.decode(params, cfg, jnp.asarray(canvas), cache, None, jnp.asarray(sc),
-                      jnp.asarray(sc_mask))
-  dec = np.abs(np.asarray(ours) - session.decode(canvas, sc, sc_mask))
-  return max(enc.max(), dec.max())
-
-
 @pytest.fixture(scope="module")
 def saved_reference(tmp_path_factory):
   """A tiny reference saved by transformers itself (sharded, decoder-copy layout)."""
@@ -66,7 +45,7 @@ def test_import_reproduces_reference_logits(saved_reference):
   # ...and it reproduces transformers' logits. (float32 rounding differs between the two
   # implementations; with these 0.2-std random weights it stays below 1e-4 for most seeds, but
   # some seeds amplify it to ~3e-4 at single positions.)
-  assert _max_logit_diff(ref, cfg, params) < TOL
+  assert reference.max_logit_diff(ref, cfg, params) < TOL
 
 
 def test_export_loads_in_transformers_and_round_trips(saved_reference, tmp_path):
@@ -81,7 +60,7 @@ def test_export_loads_in_transformers_and_round_trips(saved_reference, tmp_path)
   assert safetensors_dir.INDEX_FILE in files and len(files) > 3
   theirs = DiffusionGemmaForBlockDiffusion.from_pretrained(out, dtype=torch.float32).eval()
   theirs.config._attn_implementation = "eager"
-  assert _max_logit_diff(theirs, cfg, params, seed=1) < TOL
+  assert reference.max_logit_diff(theirs, cfg, params, seed=1) < TOL
   # import -> export -> import is bit-exact, and so is a second export.
   cfg2, params2 = model_dirs.load_model(out, log=lambda _: None)
   assert cfg2 == cfg and _leaves_equal(params, params2)
