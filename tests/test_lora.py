@@ -162,25 +162,62 @@ def _leaf(tree, path):
   return tree
 
 
-def test_lora_run_loads_merged_for_export(base_run, tmp_path):
-  config = _lora_config(1)
+def _numpy_merge(base, a, b, scale, expert_axes):
+  """float64 base + scale * A @ B, contracting A's last (rank) axis with B's first after the
+  expert axes (one product per expert)."""
+  base, a, b = (np.asarray(x, np.float64) for x in (base, a, b))
+  if not expert_axes:
+    return base + scale * np.tensordot(a, b, axes=1)
+  delta = np.stack([np.tensordot(x, y, axes=1) for x, y in zip(a, b)])
+  return base + scale * delta
+
+
+def test_lora_run_exports_base_plus_scaled_adapters_and_transformers_agrees(base_run, tmp_path):
+  """What eval.py, sample.py and convert_checkpoint read from a LoRA run: every adapted weight
+  equals base + (alpha / rank) * A @ B (a float64 numpy product, 1e-5), every other weight the
+  base exactly; the transformers export of it gives the same logits (1e-4, as
+  test_checkpoint_io's export)."""
+  import torch
+  from transformers import DiffusionGemmaForBlockDiffusion
+
+  from diffgemma.runs import loaded
+  from tests import reference
+
+  config = _lora_config(2)  # two steps: the first has learning rate 0 (warmup), B moves after
   config.lora.save_base = True  # the base travels in the checkpoint: no need for init_from
   workdir = str(tmp_path / "run")
   loop.train(config, workdir, init_from=base_run)
-  from diffgemma.runs import loaded
 
   saved = checkpointing.load_config(workdir)
   with saved.unlocked():
     saved.init_from = str(tmp_path / "gone")  # restoring must not read it
   checkpointing.save_config(workdir, saved)
 
-  run = loaded.load_run(workdir)
   _, setup, state, frozen, _ = training_state.restore_run(workdir)
-  np.testing.assert_array_equal(run.params["layers"][0]["attn"]["q"],
-                                lora.merge(frozen, state["params"], setup.lora_cfg)
-                                ["layers"][0]["attn"]["q"])
+  adapters, scale = state["params"], config.lora.alpha / config.lora.rank
+  assert setup.lora_cfg.scale == scale
+  assert any(np.any(np.asarray(f["b"])) for f in adapters.values())  # the adapters moved
   cfg, params = model_dirs.load_model(workdir)  # what convert_checkpoint exports
   model_dirs.check_params(cfg, params)
+  run = loaded.load_run(workdir)  # what eval.py and sample.py use
+  base = {lora.dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(frozen)[0]}
+  for tree in (params, run.params):
+    leaves = {lora.dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    assert sorted(leaves) == sorted(base)
+    for name, leaf in leaves.items():
+      if name not in adapters:
+        np.testing.assert_array_equal(leaf, base[name], err_msg=name)
+        continue
+      a, b = adapters[name]["a"], adapters[name]["b"]
+      expected = _numpy_merge(base[name], a, b, scale, ".experts." in name)
+      np.testing.assert_allclose(np.asarray(leaf, np.float64), expected, rtol=1e-5, atol=1e-6,
+                                 err_msg=name)
+
+  out = str(tmp_path / "export")
+  model_dirs.save_hf(cfg, params, out)
+  theirs = DiffusionGemmaForBlockDiffusion.from_pretrained(out, dtype=torch.float32).eval()
+  theirs.config._attn_implementation = "eager"
+  assert reference.max_logit_diff(theirs, cfg, params) < 1e-4
 
 
 def test_qlora_run_quantizes_its_base_on_load_and_resumes(base_run, tmp_path):
