@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from diffgemma import cli
-from diffgemma.model import network
+from diffgemma.io import model_dirs
+from diffgemma.model import attention_probe, network
 from diffgemma.runs import checkpointing, training_state
+from diffgemma.sampling import evaluation
 from diffgemma.tasks import sudoku
-from diffgemma.training import loop
+from diffgemma.training import diffusion, loop
 from tests.helpers import load_script
 from tests.helpers import setup_of, tiny_sudoku_config
 
@@ -19,8 +21,8 @@ CHECKPOINT_EVERY = 2  # checkpoints at steps 2 and 4
 NUM_PUZZLES = 4
 SAMPLER_PUZZLES = 2
 LEVELS = (0.5, 1.0)
-
-
+SEED = 9090  # run_diagnostics' default puzzle and noise seed
+RTOL = 1e-5  # float32 reductions against float64 sums
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,70 @@ def check_results(results, steps, model_cfg, script, sampled: bool):
                  if key != "tokens_per_forward")
 
 
+def peers_by_rule(cell):
+  """The cells sharing a row, column or box with `cell`, listed from the rules."""
+  row, col = divmod(cell, 9)
+  box = {(r, c) for r in range(row // 3 * 3, row // 3 * 3 + 3)
+         for c in range(col // 3 * 3, col // 3 * 3 + 3)}
+  same = {(row, c) for c in range(9)} | {(r, col) for r in range(9)} | box
+  return sorted(r * 9 + c for r, c in same if (r, c) != (row, col))
+
+
+def check_against_brute_force(results, workdir, step, script):
+  """The numbers of checkpoint `step` recomputed by hand: the same puzzles and noise draws
+  (level i draws with fold_in(PRNGKey(SEED), i), as the probe states), one decoder pass, then
+  float64 CE and per-cell counts in Python loops, and the attention shares summed cell by cell
+  over peers listed from the rules."""
+  run = script.open_sudoku_run(workdir)
+  prompts, clean_NxC, given_NxC = script.held_out_set(run, NUM_PUZZLES, SEED)
+  model_cfg, params, _ = model_dirs.load_workdir(workdir, step=step)
+  cfg = attention_probe.recordable(model_cfg)
+  n, c = clean_NxC.shape
+  p = prompts.prompt_NxP.shape[1]
+
+  @jax.jit
+  def decode(noisy):
+    _, cache = network.encode(params, cfg, prompts.prompt_NxP, network.init_cache(cfg, n, p),
+                              prompts.valid_NxP)
+    with attention_probe.record_attention() as probs:
+      logits = network.decode(params, cfg, noisy, cache)
+    return logits, [x[..., :p] for x in probs]  # [N, H, C, P] per layer
+
+  for index, t in enumerate(sorted(LEVELS)):
+    numbers = results[step]["levels"][t]
+    noisy = np.asarray(diffusion.corrupt(
+        jax.random.fold_in(jax.random.PRNGKey(SEED), index), clean_NxC, np.full((n,), t),
+        cfg.vocab_size, run.config.loss.noise_schedule))
+    logits, to_prompt = decode(noisy)
+    logits = np.asarray(logits, np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ce = -np.mean([logp[i, j, clean_NxC[i, j]] for i in range(n) for j in range(c)])
+    assert numbers["ce"] == pytest.approx(ce, rel=RTOL), (step, t)
+    right, count = {}, {}
+    for i in range(n):
+      for j in range(c):
+        kind = "given" if given_NxC[i, j] else "blank"
+        correct = int(np.argmax(logits[i, j]) == clean_NxC[i, j])
+        kinds = [kind] + ([kind + "_replaced"] if noisy[i, j] != clean_NxC[i, j] else [])
+        for k in kinds:
+          count[k] = count.get(k, 0) + 1
+          right[k] = right.get(k, 0) + correct
+    for k in ("given", "blank", "given_replaced", "blank_replaced"):
+      assert numbers[f"num_{k}"] == count.get(k, 0), (step, t, k)
+      assert numbers[f"acc_{k}"] == pytest.approx(right.get(k, 0) / max(count.get(k, 0), 1),
+                                                  rel=RTOL), (step, t, k)
+    for layer, probs in enumerate(to_prompt):
+      probs = np.asarray(probs, np.float64)
+      for head in range(cfg.num_heads):
+        own = np.mean([probs[i, head, j, j] for i in range(n) for j in range(c)])
+        peer = np.mean([sum(probs[i, head, j, q] for q in peers_by_rule(j))
+                        for i in range(n) for j in range(c)])
+        assert numbers["attn_own_prompt"][layer][head] == pytest.approx(own, rel=RTOL)
+        assert numbers["attn_peer_prompts"][layer][head] == pytest.approx(peer, rel=RTOL)
+  return run, prompts, model_cfg, params
+
+
 def test_diagnostics_of_a_tiny_trained_run(tmp_path, script):
   """The default prompt format, on a run train_loop wrote: decoder passes and the sampler."""
   config = tiny_sudoku_config(workdir_steps=TRAIN_STEPS)
@@ -74,6 +140,12 @@ def test_diagnostics_of_a_tiny_trained_run(tmp_path, script):
                                            attention_t=LEVELS[0],
                                            sampler_puzzles=SAMPLER_PUZZLES)
   check_results(results, [2, 4], config.model, script, sampled=True)
+  run, prompts, model_cfg, params = check_against_brute_force(results, workdir, 4, script)
+  # The sampler's numbers are eval.py's on the first puzzles (same seed), for this checkpoint.
+  metrics, _ = evaluation.evaluate(run.task, params, model_cfg, run.sampler_cfg,
+                                   prompts.take(slice(0, SAMPLER_PUZZLES)),
+                                   config.eval.batch_size, seed=SEED)
+  assert results[4]["sampler"] == {key: metrics[key] for key in script.SAMPLER_KEYS}
   lines = report.splitlines()
   # Rows per step: CE, accuracy, one attention row per layer, sampler.
   rows_of = lambda step: [line for line in lines if line.startswith(f"{step:5d}  ")]
@@ -109,3 +181,4 @@ def test_diagnostics_read_cell_token_prompts(tmp_path, script):
   np.testing.assert_array_equal(contents > 0, given)
   results, _ = script.run_diagnostics(workdir, num_puzzles=NUM_PUZZLES, levels=LEVELS)
   check_results(results, [0], config.model, script, sampled=False)
+  check_against_brute_force(results, workdir, 0, script)
