@@ -80,6 +80,39 @@ def tiny_configs():
   return sft, config
 
 
+def sharded_sft_losses(fsdp, tensor, steps=5):
+  """(losses [steps], the trained embedding) of the tiny SFT config's update step on a
+  fsdp x tensor mesh (as the training loop builds the step and places state and batches);
+  needs fsdp * tensor devices, e.g. XLA_FLAGS=--xla_force_host_platform_device_count=2."""
+  import jax
+  import numpy as np
+  from diffgemma.model import sharding
+  from diffgemma.runs import training_state
+  from diffgemma.tasks import make_task
+  from diffgemma.training import update_step
+  from diffgemma.training.stages import sft
+
+  config = tiny_sudoku_config(workdir_steps=steps)
+  config.model.update(dict(num_heads=4, num_kv_heads=2, intermediate_size=32))
+  config.sharding.update(dict(fsdp=fsdp, tensor=tensor))
+  setup = setup_of(config)
+  assert setup.mesh.size == fsdp * tensor
+  state = training_state.init_state(setup)
+  target = training_state.abstract_state(setup)
+  state = jax.device_put(state, jax.tree_util.tree_map(lambda x: x.sharding, target))
+  stage = sft.SftStage(None, make_task(config), setup)
+  step = update_step.make_update_step(setup, stage.loss_fn,
+                                      jax.tree_util.tree_map(lambda x: x.sharding, target), None,
+                                      update_step.batch_shardings(setup, stage.batch_shapes()))
+  stage.start(state, None, 0, ".")
+  out = []
+  for _ in range(steps):
+    batch, _ = stage.next_batch(0, state, None)
+    state, metrics = step(state, None, sharding.global_batch(batch, setup.mesh, setup.rules))
+    out.append(float(metrics["loss"]))
+  return np.array(out), state["params"]["embedding"]
+
+
 def save_sft_run(sft, workdir):
   """A saved SFT run at step 0 (trainer layout: config.json + an orbax state checkpoint).
 

@@ -246,35 +246,8 @@ _TWO_DEVICES = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.getcwd())
-import jax, numpy as np
-from diffgemma.model import sharding
-from diffgemma.runs import training_state
-from diffgemma.tasks import make_task
-from diffgemma.training import update_step
-from diffgemma.training.stages import sft
-from tests.helpers import setup_of, tiny_sudoku_config
-
-def losses(fsdp, tensor, lora_base=None):
-  config = tiny_sudoku_config(workdir_steps=5)
-  config.model.update(dict(num_heads=4, num_kv_heads=2, intermediate_size=32))
-  config.sharding.update(dict(fsdp=fsdp, tensor=tensor))
-  setup = setup_of(config)
-  assert setup.mesh.size == fsdp * tensor
-  state = training_state.init_state(setup)
-  target = training_state.abstract_state(setup)
-  state = jax.device_put(state, jax.tree_util.tree_map(lambda x: x.sharding, target))
-  stage = sft.SftStage(None, make_task(config), setup)
-  step = update_step.make_update_step(setup, stage.loss_fn,
-                                  jax.tree_util.tree_map(lambda x: x.sharding, target), None,
-                                  update_step.batch_shardings(setup, stage.batch_shapes()))
-  stage.start(state, None, 0, '.')
-  out = []
-  for _ in range(5):
-    batch, _ = stage.next_batch(0, state, None)
-    state, metrics = step(state, None, sharding.global_batch(batch, setup.mesh, setup.rules))
-    out.append(float(metrics["loss"]))
-  emb = state["params"]["embedding"]
-  return np.array(out), emb
+import numpy as np
+from tests.helpers import sharded_sft_losses as losses
 
 one, _ = losses(1, 1)
 two, emb = losses(2, 1)
