@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 
 from diffgemma.model import network
-from diffgemma.model.config import tiny
+from diffgemma.model.config import FULL, SLIDING, tiny
 from diffgemma.runs import provenance, training_state
 from diffgemma.tasks import Layout
 from diffgemma.tasks import sudoku as data
 from diffgemma.training import diffusion, losses, loop
 from tests.helpers import tiny_sudoku_config
 
-
+# The loss checks need both attention kinds, not depth: one sliding and one full layer compile
+# in a third of the 7-layer test model's time.
+LOSS_CFG = tiny(canvas_length=4, num_layers=2, layer_types=(SLIDING, FULL))
 
 
 @pytest.mark.parametrize("schedule", diffusion.SCHEDULES)
@@ -44,7 +46,7 @@ def test_corruption_touches_only_corruptible_positions():
 
 def test_sft_loss_matches_hand_computation():
   """Decoder CE recomputed from the model's pieces with the same random draws."""
-  cfg = tiny(canvas_length=4)
+  cfg = LOSS_CFG
   params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
   p, k, b = 3, 2, 4
   rng = np.random.default_rng(0)
@@ -147,7 +149,7 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
   clean sequence, the decoder limited to the prefix before canvas k), equals the CE of the same
   corrupted canvas decoded after encoding only the clean history (prompt + canvases < k), with
   padding in the prompt and in later canvases. Both selections ("one", "all") are checked."""
-  cfg = tiny(canvas_length=4)
+  cfg = LOSS_CFG
   params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
   p, k, c, b = 5, 3, 4, 3
   rng = np.random.default_rng(1)
