@@ -8,8 +8,9 @@ subprocesses some tests start share it too; it lives in a temporary directory re
 so no run sees another run's executables. For the same reason `jax_disable_most_optimizations`
 is on, through the environment too: XLA's CPU optimisation passes cost far more compile time
 than these tiny programs run, and no test measures speed (tolerances compare values, and an
-unoptimised program only rounds closer to the order the code states). A test command with
-JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite on optimised programs.
+unoptimised program only rounds closer to the order the code states). tests/test_optimized.py
+runs a subset (parity, resume, two devices) on optimised programs in every run; a test command
+with JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the whole suite on them.
 """
 
 import atexit
