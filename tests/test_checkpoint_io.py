@@ -34,6 +34,17 @@ def saved_reference(tmp_path_factory):
   return ref, path
 
 
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+  """A tiny Sudoku SFT run of 2 steps (full fine-tuning), read but never written by the tests."""
+  from diffgemma.training import loop
+  from tests.helpers import tiny_sudoku_config
+
+  path = str(tmp_path_factory.mktemp("trained") / "run")
+  loop.train(tiny_sudoku_config(workdir_steps=2), path)
+  return path
+
+
 def test_import_reproduces_reference_logits(saved_reference):
   ref, path = saved_reference
   assert os.path.exists(os.path.join(path, safetensors_dir.INDEX_FILE))
@@ -231,15 +242,13 @@ def test_failed_or_refused_writes_leave_nothing(saved_reference, tmp_path, monke
 # ----------------------------------------------------------------------------- CLI and --init_from
 
 
-def test_convert_cli_and_init_from_a_converted_run(tmp_path):
+def test_convert_cli_and_init_from_a_converted_run(trained_run, tmp_path):
   from diffgemma.runs import checkpointing, training_state, loaded, run_config
   from diffgemma.training import loop
   from tests.helpers import one_line_error, run
   from tests.helpers import tiny_sudoku_config
 
-  config = tiny_sudoku_config(workdir_steps=2)
-  source_run = str(tmp_path / "run")
-  loop.train(config, source_run)
+  source_run = trained_run
   exported = str(tmp_path / "exported")
   r = run("scripts/convert_checkpoint.py", f"--from={source_run}", f"--to={exported}")
   assert r.returncode == 0 and "transformers' DiffusionGemma layout" in r.stdout, r.stderr
@@ -312,13 +321,10 @@ def _record_restored_leaves(monkeypatch) -> list[str]:
   return names
 
 
-def test_eval_of_a_full_fine_tuning_workdir_reads_no_optimizer_state(tmp_path, monkeypatch):
+def test_eval_of_a_full_fine_tuning_workdir_reads_no_optimizer_state(trained_run, monkeypatch):
   from diffgemma.runs import training_state, loaded
-  from diffgemma.training import loop
-  from tests.helpers import tiny_sudoku_config
 
-  workdir = str(tmp_path / "full")
-  loop.train(tiny_sudoku_config(workdir_steps=2), workdir)
+  workdir = trained_run
   read = _record_restored_leaves(monkeypatch)
   training_state.restore_run(workdir)  # the trainer's restore: the spy sees the optimizer state
   assert any(name.startswith("opt_state") for name in read), sorted(set(read))[:10]
