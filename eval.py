@@ -74,7 +74,7 @@ def main(argv):
     raise cli.UserError(f"--data {_DATA.value!r} is a directory; pass a CSV or JSONL file")
   if not os.path.isfile(_DATA.value):
     raise cli.UserError(f"--data file {_DATA.value!r} not found")
-  from diffgemma.runs import loaded
+  from diffgemma.runs import loaded, provenance
   from diffgemma.sampling import evaluation, sampler
 
   try:
@@ -105,7 +105,7 @@ def main(argv):
         progress=bar, warmup=True)
   metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value),
                  quantize=_QUANTIZE.value or "none", headline_metric=run.task.headline_metric,
-                 sampler_overrides=sampler_overrides)
+                 sampler_overrides=sampler_overrides, device=provenance.device_info())
   path = _PREDICTIONS.value
   if path is None and _WORKDIR.value:
     name = os.path.splitext(os.path.basename(_DATA.value))[0]

@@ -19,8 +19,8 @@ and `--sampler.KEY=VALUE` for any sampler field (diffgemma.sampling.sampler.Samp
 """
 
 import json
-import math
 import os
+import statistics
 import time
 
 from absl import flags
@@ -46,6 +46,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
 _TRACE = flags.DEFINE_string(
     "trace", None, "Write a denoising trace: FILE.gif (Sudoku: the grid at every step) or "
     "FILE.html (any task: the canvas tokens at every step, shaded by entropy, accepted marked).")
+_WARM_RUNS = flags.DEFINE_integer(
+    "warm_runs", 1, "Text mode: after the first (cold, compiling) call, time this many warm "
+    "calls of the same reply; the summary gives both (0 = cold only).")
 _QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
                               "(weight-only; diffgemma/model/quantize.py defaults) before sampling.")
 
@@ -75,7 +78,8 @@ def main(argv):
 
 
 def sample_text():
-  """Reply to --prompt with the checkpoint in --init_from; print the text and a summary."""
+  """Reply to --prompt with the checkpoint in --init_from, through the chat task (its template,
+  prompt encoding and stop ids: diffgemma/tasks/chat.py); print the text and a summary."""
   path, text = _INIT_FROM.value, _PROMPT.value
   if not path or text is None:
     raise cli.UserError("text mode needs both --init_from and --prompt")
@@ -83,75 +87,100 @@ def sample_text():
     raise cli.UserError("--prompt is empty")
   if _MAX_NEW_TOKENS.value is not None and _MAX_NEW_TOKENS.value <= 0:
     raise cli.UserError(f"--max_new_tokens must be positive (got {_MAX_NEW_TOKENS.value})")
+  if _WARM_RUNS.value < 0:
+    raise cli.UserError(f"--warm_runs must be >= 0 (got {_WARM_RUNS.value})")
   if not os.path.isdir(path):
     raise cli.UserError(f"checkpoint directory {path!r} not found")
   from diffgemma.io import tokenizer as tokenizer_lib
-
-  # Everything cheap is checked before the weights load (minutes for a large model).
-  try:
-    tok = tokenizer_lib.load_tokenizer(path)
-    prompt_ids = tok.chat_prompt(text) if _CHAT.value else [tok.bos_id] + tok.encode(text)
-  except tokenizer_lib.TokenizerError as e:
-    raise cli.UserError(str(e)) from None
-  hf_config = _read_json(os.path.join(path, "config.json"))
-  context = _context_length(hf_config)
-  if context is not None and len(prompt_ids) >= context:
-    raise cli.UserError(f"prompt is {len(prompt_ids)} tokens, longer than the model's context "
-                        f"of {context} tokens")
-
-  import jax
-  import numpy as np
-
-  from diffgemma.io import model_dirs
+  from diffgemma.io.safetensors_dir import CheckpointFormatError
   from diffgemma.sampling import sampler
+  from diffgemma.tasks import chat
 
-  model_cfg, params = model_dirs.load_model(path, dtype=_DTYPE.value)
-  params = _maybe_quantize(params)
-  if max(prompt_ids) >= model_cfg.vocab_size:
-    raise cli.UserError(f"the tokenizer in {path} gives id {max(prompt_ids)}, outside the "
-                        f"model's vocabulary of {model_cfg.vocab_size}")
   try:
     defaults = sampler.SamplerConfig().replace(**_sampler_overrides())
   except ValueError as e:
     raise cli.UserError(f"bad sampler override: {e}") from None
   max_new = _MAX_NEW_TOKENS.value or defaults.max_new_tokens
-  stops = _stop_ids(path, hf_config, tok, model_cfg)
-  sampler_cfg = defaults.replace(max_new_tokens=max_new, stop_token_ids=stops,
-                                 record_trajectory=bool(_TRACE.value))
-  slots = math.ceil(max_new / model_cfg.canvas_length) * model_cfg.canvas_length
-  if context is not None and len(prompt_ids) + slots > context:
+  # Everything cheap is checked before the weights load (minutes for a large model).
+  hf_config = _read_json(os.path.join(path, "config.json"))
+  try:
+    task = chat.checkpoint_task(path, max_new, text, chat=_CHAT.value)
+    prompts = task.prompt_from_text(text, chat=_CHAT.value)
+  except (tokenizer_lib.TokenizerError, CheckpointFormatError, ValueError) as e:
+    raise cli.UserError(str(e)) from None
+  num_prompt = prompts.prompt_NxP.shape[1]
+  context = _context_length(hf_config)
+  if context is not None and num_prompt >= context:
+    raise cli.UserError(f"prompt is {num_prompt} tokens, longer than the model's context "
+                        f"of {context} tokens")
+  slots = task.layout.response_len
+  if context is not None and num_prompt + slots > context:
     raise cli.UserError(
-        f"prompt of {len(prompt_ids)} tokens plus {slots} canvas slots exceeds the model's "
+        f"prompt of {num_prompt} tokens plus {slots} canvas slots exceeds the model's "
         f"context of {context} tokens; lower --max_new_tokens or shorten the prompt")
 
-  prompt_1xP = np.asarray([prompt_ids], np.int32)
-  args = (prompt_1xP, np.ones_like(prompt_1xP, bool), jax.random.PRNGKey(_SEED.value))
-  start = time.perf_counter()
-  generate = jax.jit(sampler.generate, static_argnums=(1, 2)).lower(
-      params, model_cfg, sampler_cfg, *args).compile()
-  compiled = time.perf_counter()
-  out = jax.device_get(generate(params, *args))
-  seconds = time.perf_counter() - compiled
+  import jax
+
+  from diffgemma.io import model_dirs
+  from diffgemma.runs import provenance
+
+  model_cfg, params = model_dirs.load_model(path, dtype=_DTYPE.value)
+  params = _maybe_quantize(params)
+  if int(prompts.prompt_NxP.max()) >= model_cfg.vocab_size:
+    raise cli.UserError(f"the tokenizer in {path} gives id {int(prompts.prompt_NxP.max())}, "
+                        f"outside the model's vocabulary of {model_cfg.vocab_size}")
+  stops = sampler.stop_ids(model_cfg, defaults.replace(stop_token_ids=task.stop_token_ids))
+  sampler_cfg = defaults.replace(max_new_tokens=max_new, stop_token_ids=stops,
+                                 record_trajectory=bool(_TRACE.value))
+
+  args = (prompts.prompt_NxP, prompts.valid_NxP, jax.random.PRNGKey(_SEED.value))
+  generate = jax.jit(sampler.generate, static_argnums=(1, 2))
+  timing = {}
+  out = _timed_generate(lambda: generate(params, model_cfg, sampler_cfg, *args),
+                        _WARM_RUNS.value, timing)
 
   tokens = [int(t) for t in out["tokens"][0]]
   end = next((i for i, t in enumerate(tokens) if t in stops), None)
-  reply = [t for t in tokens[:end] if t != model_cfg.pad_token_id]
-  print(tok.decode(reply))
-  num_tokens = int(out["num_tokens"][0])
-  ended = (f"stopped at {tok.decode([tokens[end]], skip_special_tokens=False)!r}"
+  print(task.reply_text(out["tokens"][0]))
+  num_tokens, canvases = int(out["num_tokens"][0]), int(out["num_canvases"][0])
+  ended = (f"stopped at {task.tokenizer.decode([tokens[end]], skip_special_tokens=False)!r}"
            if end is not None else "token budget reached")
-  print(f"[{len(prompt_ids)} prompt tokens, {num_tokens} generated ({ended}); "
-        f"TPF {float(out['tokens_per_forward'][0]):.2f}; {int(out['num_canvases'][0])} canvases, "
+  print(f"[{num_prompt} prompt tokens, {num_tokens} generated ({ended}); "
+        f"TPF {float(out['tokens_per_forward'][0]):.2f}; {canvases} canvases, "
         f"{float(out['steps_per_canvas'][0]):.1f} steps per canvas; "
-        f"{num_tokens / max(seconds, 1e-9):.1f} tokens/s "
-        f"({seconds:.2f}s, compile {compiled - start:.1f}s)]")
+        + latency_summary(timing, num_tokens, canvases) + "; "
+        + provenance.describe_device(provenance.device_info()) + "]")
   if _TRACE.value:
-    from diffgemma.sampling import traces
-
-    rows = traces.write_text_trace(_TRACE.value, out["trajectory"],
-                                   lambda t: tok.decode([t], skip_special_tokens=False),
-                                   title=f"Denoising trace: {text[:80]}")
+    rows = task.write_trace(_TRACE.value, prompts, out["trajectory"])
     print(f"trace: {_TRACE.value} ({rows} denoising steps)")
+
+
+def _timed_generate(call, warm_runs: int, timing: dict):
+  """Run `call()` (a jitted generate) once cold, compile included, then `warm_runs` times warm
+  (the same inputs, so the same reply); fill `timing` {cold_seconds, warm_seconds: a list}
+  and return the last output on the host."""
+  import jax
+
+  start = time.perf_counter()
+  out = jax.device_get(call())
+  timing["cold_seconds"] = time.perf_counter() - start
+  timing["warm_seconds"] = []
+  for _ in range(warm_runs):
+    start = time.perf_counter()
+    out = jax.device_get(call())
+    timing["warm_seconds"].append(time.perf_counter() - start)
+  return out
+
+
+def latency_summary(timing: dict, num_tokens: int, num_canvases: int) -> str:
+  """cold (compile included) and warm seconds, per-canvas seconds and warm tokens/s (the median
+  warm run); "no warm run" when --warm_runs=0."""
+  cold = f"cold {timing['cold_seconds']:.2f}s (compile included)"
+  if not timing["warm_seconds"]:
+    return cold + ", no warm run (--warm_runs=0)"
+  warm = statistics.median(timing["warm_seconds"])
+  return (f"{cold}, warm {warm:.3f}s, {warm / max(num_canvases, 1):.3f}s per canvas, "
+          f"{num_tokens / max(warm, 1e-9):.1f} tokens/s warm")
 
 
 def _sampler_overrides() -> dict:
@@ -188,21 +217,6 @@ def _context_length(hf_config: dict) -> int | None:
   text = hf_config.get("text_config") or hf_config
   value = text.get("max_position_embeddings")
   return int(value) if value else None
-
-
-def _stop_ids(path: str, hf_config: dict, tok, model_cfg) -> tuple[int, ...]:
-  """Ids that end the reply, as the reference's list-valued eos_token_id: the model's EOS, the
-  checkpoint's generation_config.json eos ids (else config.json's), the tokenizer's EOS and
-  end-of-turn."""
-  ids = [model_cfg.eos_token_id]
-  generation = _read_json(os.path.join(path, "generation_config.json"))
-  declared = generation.get("eos_token_id")
-  if declared is None:
-    declared = (hf_config.get("text_config") or hf_config).get("eos_token_id")
-  if declared is not None:
-    ids += declared if isinstance(declared, list) else [declared]
-  ids += tok.stop_ids
-  return tuple(dict.fromkeys(int(i) for i in ids if 0 <= int(i) < model_cfg.vocab_size))
 
 
 # ----------------------------------------------------------------------------- a training run

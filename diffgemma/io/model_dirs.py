@@ -85,6 +85,27 @@ def load_model(path: str, dtype: str | None = None, shardings=None, rng=None,
   return _load_hf(path, config, dtype, shardings, rng, log, overrides)
 
 
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def declared_eos_ids(path: str) -> tuple[int, ...]:
+  """The stop ids a checkpoint directory declares, as transformers' generate reads them: the
+  `eos_token_id` (an int or a list) of generation_config.json, else of config.json
+  (text_config's, else the top level's); () when it declares none or is not a model directory."""
+  for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+      continue
+    config = _read_json(file)
+    declared = (config.get("text_config") or config).get("eos_token_id")
+    if declared is None and name == CONFIG_FILE:
+      declared = config.get("eos_token_id")
+    if declared is not None:
+      ids = declared if isinstance(declared, list) else [declared]
+      return tuple(dict.fromkeys(int(i) for i in ids if int(i) >= 0))
+  return ()
+
+
 def read_model_config(path: str, dtype: str | None = None, **overrides: Any) -> ModelConfig:
   """The ModelConfig of a checkpoint directory of any kind, without reading weights (to plan
   the parameters' shardings before `load_model` places them)."""

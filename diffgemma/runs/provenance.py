@@ -86,6 +86,38 @@ def _jax_info() -> dict:
           "processes": jax.process_count()}
 
 
+def cpu_model() -> str:
+  """The host CPU's model name (/proc/cpuinfo on Linux, else platform.processor())."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.lower().startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine() or "unknown"
+
+
+def device_info() -> dict:
+  """What produced a timing, for eval.py's JSON, sample.py's summary and the GPU suite:
+  platform (jax's backend), device_kind and num_devices (jax's), jax (version), cpu (the host
+  CPU model) and accelerator (the device kind on a GPU or TPU, else None). Imports JAX."""
+  import jax
+
+  devices = jax.devices()
+  backend = jax.default_backend()
+  kind = devices[0].device_kind
+  return {"platform": backend, "device_kind": kind, "num_devices": len(devices),
+          "jax": jax.__version__, "cpu": cpu_model(),
+          "accelerator": None if backend == "cpu" else kind}
+
+
+def describe_device(info: dict) -> str:
+  """`device_info` in one line: "1 x NVIDIA H200 (gpu), jax 0.10.0, CPU AMD EPYC ..."."""
+  return (f"{info['num_devices']} x {info['device_kind']} ({info['platform']}), "
+          f"jax {info['jax']}, CPU {info['cpu']}")
+
+
 def provenance(argv: list[str] | None = None) -> dict:
   """Where and how this process runs: start time, command line (default sys.argv), working
   directory, package version, git {commit, dirty} (None outside a checkout), Python and (when

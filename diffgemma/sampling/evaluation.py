@@ -3,7 +3,8 @@
 The evaluator generates replies for a task's `Prompts` in fixed-size batches and merges the
 task's metrics (`Task.score`, which knows what the tokens mean) with the sampler's statistics
 (which it knows without knowing the task): tokens per forward pass, steps per canvas, canvases
-per reply, tokens per second.
+per reply, tokens per second, and latency with the first (cold, compiling) call kept apart from
+the warm ones (`latency_metrics`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ ROW_STATS = ("tokens_per_forward", "steps_per_canvas", "decoder_passes", "num_to
 
 
 def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, seed: int,
-                        progress=None, warmup: bool = False, on_trajectory=None):
+                        progress=None, warmup: bool = False, on_trajectory=None,
+                        timing: dict | None = None):
   """Run `generate_fn(params, prompt_BxP, valid_BxP, rng)` over the prompts in fixed-size
   batches (the last one padded by repetition, so one compiled shape serves all).
 
@@ -30,13 +32,20 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
   call compiles first. When the sampler records trajectories, each row also gets settle_steps
   (`sampler.settle_steps`, averaged over the canvases it ran), and `on_trajectory(rows, traj)`
   sees each batch's trajectory cut to its real rows (e.g. to accumulate a step profile).
+  `timing`, a dict when given, receives the latency of each call (`latency_metrics` reads it):
+  cold_seconds (the first call: the warmup, else the first batch; compilation included),
+  warm_seconds_B [calls] (every later call), warm_tokens [calls] (non-pad tokens of the real
+  rows) and warm_canvases [calls] (canvases the call ran: the most any of its rows needed).
   """
   n = len(prompts)
   batch_size = min(batch_size, n)
   rng = jax.random.PRNGKey(seed)
+  calls = []  # (seconds, tokens, canvases) of every timed call, in order
   if warmup:
+    t0 = time.perf_counter()
     jax.block_until_ready(generate_fn(params, prompts.prompt_NxP[:batch_size],
                                       prompts.valid_NxP[:batch_size], rng))
+    calls.append((time.perf_counter() - t0, 0, 0))
   tokens, stats, seconds = [], {}, 0.0
   for start in range(0, n, batch_size):
     rows = np.arange(start, min(start + batch_size, n))
@@ -46,7 +55,10 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
     out = generate_fn(params, prompts.prompt_NxP[padded], prompts.valid_NxP[padded],
                       jax.random.fold_in(rng, start))
     out = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(out))
-    seconds += time.perf_counter() - t0
+    call_s = time.perf_counter() - t0
+    seconds += call_s
+    calls.append((call_s, int(np.sum(out["num_tokens"][:real])) if "num_tokens" in out else 0,
+                  int(np.max(out["num_canvases"])) if "num_canvases" in out else 0))
     tokens.append(out["tokens"][:real])
     if "trajectory" in out:
       settle_KxB = np.asarray(sampler.settle_steps(out["trajectory"]))
@@ -60,7 +72,35 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
     if progress is not None:
       progress.update(real)
   stats = {k: np.concatenate(v) for k, v in stats.items()}
+  if timing is not None:
+    warm = calls[1:]
+    timing.update(cold_seconds=calls[0][0],
+                  warm_seconds_B=np.asarray([c[0] for c in warm], np.float64),
+                  warm_tokens=np.asarray([c[1] for c in warm], np.int64),
+                  warm_canvases=np.asarray([c[2] for c in warm], np.int64))
   return np.concatenate(tokens), stats, seconds
+
+
+def latency_metrics(timing: dict, batch_size: int) -> dict:
+  """Latency a user can trust, from `generate_in_batches`' timing: the cold call apart.
+
+  cold_seconds: the first call (compilation included); warm_seconds: the mean of the later
+  calls (one reply when batch_size is 1, else a batch of replies decoded together);
+  seconds_per_canvas: warm seconds over the canvases those calls ran; tokens_per_second_warm:
+  their non-pad tokens over their seconds; warm_calls and latency_batch_size (rows per call).
+  Without a warm call (one batch, no warmup) the warm figures are None.
+  """
+  warm_s = np.asarray(timing["warm_seconds_B"], np.float64)
+  total = float(np.sum(warm_s))
+  canvases = int(np.sum(timing["warm_canvases"]))
+  metrics = {"cold_seconds": float(timing["cold_seconds"]), "warm_calls": int(len(warm_s)),
+             "latency_batch_size": int(batch_size), "warm_seconds": None,
+             "seconds_per_canvas": None, "tokens_per_second_warm": None}
+  if len(warm_s) and total > 0:
+    metrics.update(warm_seconds=total / len(warm_s),
+                   seconds_per_canvas=total / canvases if canvases else None,
+                   tokens_per_second_warm=float(np.sum(timing["warm_tokens"])) / total)
+  return metrics
 
 
 def sampler_metrics(stats: dict, seconds: float) -> dict[str, float]:
@@ -84,7 +124,8 @@ def evaluate(task: Task, params, model_cfg: ModelConfig, sampler_cfg: sampler.Sa
              warmup: bool = False) -> tuple[dict, list[dict]]:
   """(metrics, predictions) of the model on a held-out set.
 
-  metrics: the task's (`Task.score`) plus `sampler_metrics` and num_examples; a sampler that
+  metrics: the task's (`Task.score`) plus `sampler_metrics`, `latency_metrics` and
+  num_examples; a sampler that
   records trajectories adds settle_steps_per_canvas and, where the task profiles trajectories
   (`Task.profile_trajectory`), step_profile: per denoising step, the task's sums as means per
   example that ran the step ("rows": how many did). predictions: one record per example.
@@ -97,11 +138,13 @@ def evaluate(task: Task, params, model_cfg: ModelConfig, sampler_cfg: sampler.Sa
     for key, value in (sums or {}).items():
       profile[key] = profile[key] + value if key in profile else value
 
+  timing = {}
   tokens, stats, seconds = generate_in_batches(
       params, generate_fn, prompts, batch_size, seed, progress, warmup,
-      on_trajectory if sampler_cfg.record_trajectory else None)
+      on_trajectory if sampler_cfg.record_trajectory else None, timing)
   metrics, predictions = task.score(prompts, tokens, stats)
   metrics.update(sampler_metrics(stats, seconds), num_examples=int(len(prompts)))
+  metrics.update(latency_metrics(timing, min(batch_size, len(prompts))))
   if profile:
     ran = profile["rows"] > 0
     metrics["step_profile"] = {

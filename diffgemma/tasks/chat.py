@@ -29,6 +29,7 @@ import ml_collections
 import numpy as np
 
 from diffgemma import errors
+from diffgemma.io import model_dirs
 from diffgemma.io import tokenizer as tokenizer_lib
 from diffgemma.runs import checkpointing
 from diffgemma.tasks import chat_data, text_metrics
@@ -146,9 +147,30 @@ def tokenizer_source(directory: str) -> str:
   return directory
 
 
-def load_tokenizer(settings: ChatSettings, init_from: str | None):
+def model_source(directory: str) -> str:
+  """The model checkpoint a directory descends from: a training workdir's init_from,
+  recursively (a workdir started from scratch is its own source); any other directory itself."""
+  config_path = os.path.join(directory, "config.json")
+  if os.path.isdir(os.path.join(directory, "checkpoints")) and os.path.isfile(config_path):
+    saved = checkpointing.load_config(directory)
+    if saved.get("init_from") and os.path.abspath(saved.init_from) != os.path.abspath(directory):
+      return model_source(saved.init_from)
+  return directory
+
+
+def declared_stop_ids(init_from: str | None) -> tuple[int, ...]:
+  """The stop ids the run's source checkpoint declares (generation_config.json's eos_token_id,
+  else config.json's: what transformers' DiffusionGemma generate stops on); () without one."""
+  if not init_from:
+    return ()
+  source = model_source(init_from)
+  return model_dirs.declared_eos_ids(source) if os.path.isdir(source) else ()
+
+
+def load_tokenizer(settings: ChatSettings, init_from: str | None, require_chat: bool = True):
   """The task's tokenizer (`data.tokenizer`, else the init_from checkpoint's, found through
-  training workdirs); it must have a chat template and an end-of-turn marker."""
+  training workdirs); it must have a chat template and an end-of-turn marker (unless
+  `require_chat` is False: plain-text prompts only)."""
   source = settings.tokenizer or (tokenizer_source(init_from) if init_from else "")
   if not source:
     raise ValueError("no tokenizer: set data.tokenizer to a tokenizer directory or 'bytes', or "
@@ -156,6 +178,8 @@ def load_tokenizer(settings: ChatSettings, init_from: str | None):
   if source != tokenizer_lib.BYTES and not os.path.isdir(source):
     raise ValueError(f"tokenizer directory {source} not found (data.tokenizer or --init_from)")
   tok = tokenizer_lib.load_tokenizer(source)
+  if not require_chat:
+    return tok
   if tok.chat_template is None:
     raise tokenizer_lib.TokenizerError(
         f"tokenizer in {source} has no chat template: add chat_template.jinja (or a "
@@ -192,12 +216,16 @@ class ChatTask(RlTask):
   name = "chat"
   headline_metric = "accuracy"
 
-  def __init__(self, settings: ChatSettings, tok, layout: Layout):
+  def __init__(self, settings: ChatSettings, tok, layout: Layout,
+               declared_stop_ids: Sequence[int] = (), chat_prompts: bool = True):
     self.settings, self.tokenizer, self._layout = settings, tok, layout
+    self._declared_stop_ids = tuple(int(i) for i in declared_stop_ids)
     self._pattern = text_metrics.check_metric(settings.metric, settings.answer_regex)
     self._reward_pattern = text_metrics.check_metric(settings.reward, settings.answer_regex)
     self._reward_fn = load_reward_fn(settings.reward_fn) if settings.reward_fn else None
-    min_prompt = (1 if self._starts_with_bos() else 0) + len(self.generation_prompt_ids()) + 1
+    # `chat_prompts=False` (sample.py --chat=false): plain-text prompts, no template needed.
+    min_prompt = ((1 if self._starts_with_bos() else 0) + len(self.generation_prompt_ids()) + 1
+                  if chat_prompts else 1)
     if layout.prompt_len < min_prompt:
       raise ValueError(f"data.prompt_len={layout.prompt_len} cannot hold BOS, the generation "
                        f"prompt and one token ({min_prompt}); raise it")
@@ -237,7 +265,10 @@ class ChatTask(RlTask):
 
   @property
   def stop_token_ids(self) -> tuple[int, ...]:
-    return self.tokenizer.stop_ids
+    """The one stop path of chat replies (evaluation, SD·RL rollouts, sample.py, reply cuts):
+    the tokenizer's EOS and end-of-turn (what SFT targets end with), then the ids the source
+    checkpoint declares (generation_config.json's eos_token_id, as transformers' generate)."""
+    return tuple(dict.fromkeys(self.tokenizer.stop_ids + self._declared_stop_ids))
 
   @property
   def min_vocab_size(self) -> int:
@@ -430,7 +461,7 @@ class ChatTask(RlTask):
     tokens = np.asarray(tokens_L).reshape(-1)
     if len(tokens) == self._layout.seq_len:
       tokens = tokens[self._layout.prompt_len:]
-    stops, pad = set(self.tokenizer.stop_ids), self.tokenizer.pad_id
+    stops, pad = set(self.stop_token_ids), self.tokenizer.pad_id
     reply = []
     for t in tokens.tolist():
       if t in stops:
@@ -440,7 +471,7 @@ class ChatTask(RlTask):
     return reply
 
   def _stopped(self, tokens_L: np.ndarray) -> bool:
-    return bool(np.isin(np.asarray(tokens_L), self.tokenizer.stop_ids).any())
+    return bool(np.isin(np.asarray(tokens_L), self.stop_token_ids).any())
 
   def reply_text(self, tokens, prompts=None, row=0, first_slot=0) -> str:
     """The reply up to its first stop token, decoded (a canvas shown on its own: its text)."""
@@ -478,12 +509,17 @@ class ChatTask(RlTask):
 
   # ---------------------------------------------------------------- sampling from text
 
-  def prompt_from_text(self, text: str) -> Prompts:
+  def prompt_ids(self, text: str, chat: bool = True) -> list[int]:
+    """The ids of a typed prompt, unpadded: one user turn of the chat template and the opening
+    of the model turn (`chat`), else BOS and the plain text. TokenizerError (one line)."""
+    return _typed_prompt_ids(self.tokenizer, text, chat)
+
+  def prompt_from_text(self, text: str, chat: bool = True) -> Prompts:
     if not text.strip():
       raise ValueError("the prompt is empty")
     counts = chat_data.OverflowCounts()
     policy = "error" if self.settings.overflow == "drop" else self.settings.overflow
-    ids = chat_data.fit_prompt(self.tokenizer.chat_prompt(text), self._layout.prompt_len,
+    ids = chat_data.fit_prompt(self.prompt_ids(text, chat), self._layout.prompt_len,
                                self.tokenizer.bos_id, policy, "--prompt", counts)
     tokens, valid = chat_data.left_pad(ids, self._layout.prompt_len, self.tokenizer.pad_id)
     return Prompts(tokens[None], valid[None], [None], [{"prompt": text}])
@@ -555,7 +591,33 @@ def from_config(config: ml_collections.ConfigDict, training: bool = True,
       raise ValueError(f"the tokenizer's {name} id is {ours} but model.{name}_token_id is "
                        f"{theirs}; use the model's own tokenizer")
   layout = Layout(settings.prompt_len, settings.num_canvases, int(model.canvas_length))
-  return ChatTask(settings, tok, layout)
+  return ChatTask(settings, tok, layout, declared_stop_ids(config.get("init_from")))
+
+
+def checkpoint_task(directory: str, max_new_tokens: int, text: str, chat: bool = True
+                    ) -> ChatTask:
+  """The chat task of a model checkpoint directory with its own tokenizer, for sampling a reply
+  to `text` (sample.py): the task's defaults (configs/sft_chat.py documents them), no data, a
+  prompt length of exactly `text`'s ids (`prompt_ids`), so nothing is padded, and the canvases
+  that hold `max_new_tokens` (the checkpoint's canvas length, read without the weights).
+  `chat=False`: plain-text prompts, and a tokenizer without a chat template is accepted.
+  TokenizerError, CheckpointFormatError or ValueError (one line)."""
+  config = ml_collections.ConfigDict(dict(data=dict(prompt_len=1, num_canvases=1, tokenizer=""),
+                                          eval={}))
+  settings = settings_from_config(config)
+  tok = load_tokenizer(settings, directory, require_chat=chat)
+  prompt_len = len(_typed_prompt_ids(tok, text, chat))
+  canvas_length = model_dirs.read_model_config(directory).canvas_length
+  num_canvases = math.ceil(max_new_tokens / canvas_length)
+  settings = dataclasses.replace(settings, prompt_len=prompt_len, num_canvases=num_canvases)
+  return ChatTask(settings, tok, Layout(prompt_len, num_canvases, canvas_length),
+                  declared_stop_ids(directory), chat_prompts=chat)
+
+
+def _typed_prompt_ids(tok, text: str, chat: bool) -> list[int]:
+  if chat:
+    return tok.chat_prompt(text)
+  return [tok.bos_id] + tok.encode(text)
 
 
 def _last_user_text(history: Sequence[dict]) -> str:
