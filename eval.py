@@ -6,13 +6,24 @@
   python eval.py --init_from=CHECKPOINT_DIR --data=FILE --config=CONFIG
   python eval.py --workdir=DIR --data=FILE --quantize=int4            # a quantized base
   python eval.py --workdir=DIR --data=FILE --sampler.entropy_bound=0.3  # any sampler key
+  python eval.py --workdir=DIR --data=FILE --sweep sampler.entropy_bound=0.05,0.1,0.2,0.4 \
+      [--sweep sampler.t_max=0.6,0.8,1.0] --out=SWEEP_DIR      # quality against TPF
 
 The task of the run (config.task.name) reads the file: a Kaggle-format CSV of puzzles for
 Sudoku, a JSONL of conversations for chat (the last assistant turn is the reference). Every
 prediction is written as one JSON line to DIR/predictions/<file>-step<N>.jsonl (--workdir; with
 --init_from, to --predictions if given). `--sampler.KEY=VALUE` overrides any field of the run's
 sampler (diffgemma.sampling.sampler.SamplerConfig). The last line printed is one JSON object of
-metrics; its "headline_metric" names the task's main one.
+metrics; its "headline_metric" names the task's main one, and it carries the latency
+(cold_seconds: the first call, compilation included; warm_seconds: a later call's mean;
+seconds_per_canvas; tokens_per_second_warm; sampling/evaluation.latency_metrics) and the device
+(kind, jax version, CPU and accelerator model).
+
+`--sweep sampler.KEY=V1,V2,...` (repeatable) evaluates every value of each swept key, one key
+at a time on top of the run's sampler and any --sampler.KEY=VALUE, on the same examples and
+seed, the weights loaded once; --out=DIR receives sweep.md (the table: the task's headline
+metric, TPF, steps per canvas, warm latency), sweep.png (the headline metric against TPF, one
+line per swept key; diffgemma/tools/compare.py) and sweep.json (every point's metrics).
 """
 
 import json
@@ -43,6 +54,11 @@ _PREDICTIONS = flags.DEFINE_string("predictions", None, "Where to write the pred
                                    "(default: inside --workdir).")
 _QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
                               "(weight-only; diffgemma/model/quantize.py defaults) before sampling.")
+_SWEEP = flags.DEFINE_multi_string(
+    "sweep", [], "sampler.KEY=V1,V2,...: evaluate each value (one swept key at a time; "
+    "repeat the flag for more keys) and write a table and a plot to --out.")
+_OUT = flags.DEFINE_string("out", None, "With --sweep: directory for sweep.md, sweep.png and "
+                           "sweep.json.")
 _TRAJECTORY = flags.DEFINE_bool(
     "trajectory_stats", False, "Record the sampler's trajectories; add settle_steps_per_canvas "
     "(the mean step from which the argmax canvas stopped changing) and the task's step_profile "
@@ -84,6 +100,11 @@ def main(argv):
   overrides = dict(sampler_overrides)
   if _TRAJECTORY.value:
     overrides["record_trajectory"] = True
+  sweep = parse_sweep(_SWEEP.value, sampler)
+  if sweep and not _OUT.value:
+    raise cli.UserError("--sweep needs --out=DIR for its table and plot")
+  if _OUT.value and not sweep:
+    raise cli.UserError("--out is for --sweep; without a sweep the metrics are printed")
   if _WORKDIR.value:
     run = loaded.open_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
   else:
@@ -93,12 +114,22 @@ def main(argv):
   prompts = run.task.load_eval_file(_DATA.value, _LIMIT.value)  # checked before the weights
   if not len(prompts):
     raise cli.UserError(f"no examples in {_DATA.value}")
+  points = []
+  for key, values in sweep:  # every point's sampler is checked before the weights load
+    for value in values:
+      try:
+        points.append((key, value, run.sampler_cfg.replace(**{key: value})))
+      except ValueError as e:
+        raise cli.UserError(f"--sweep sampler.{key}={value}: {e}") from None
   run.load()
   if _QUANTIZE.value:
     from diffgemma.model import quantize
 
     run.params = quantize.quantize_params(run.params, quantize.QuantizeConfig(_QUANTIZE.value))
   batch = _BATCH.value or run.run_cfg.eval.batch_size
+  if points:
+    run_sweep(run, prompts, batch, points, sampler_overrides, provenance.device_info())
+    return
   with tqdm(total=len(prompts), desc="eval", unit="example") as bar:
     metrics, predictions = evaluation.evaluate(
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
@@ -116,6 +147,59 @@ def main(argv):
   if "step_profile" in metrics:
     print(run.task.format_profile(metrics["step_profile"]))
   print(json.dumps(metrics))
+
+
+def parse_sweep(specs: list[str], sampler) -> list[tuple[str, list]]:
+  """[(key, typed values)] of --sweep sampler.KEY=V1,V2,... flags; UserError (one line)."""
+  out = []
+  for spec in specs:
+    name, sep, values = spec.partition("=")
+    key = name.removeprefix("sampler.")
+    if not sep or key == name or not key or not values.strip():
+      raise cli.UserError(f"--sweep {spec!r}: write --sweep sampler.KEY=V1,V2,...")
+    if key in (k for k, _ in out):
+      raise cli.UserError(f"--sweep sampler.{key} is given twice")
+    try:
+      typed = [sampler.parse_overrides({key: v.strip()})[key] for v in values.split(",")]
+    except ValueError as e:
+      raise cli.UserError(f"--sweep: {e}") from None
+    out.append((key, typed))
+  return out
+
+
+def run_sweep(run, prompts, batch: int, points, sampler_overrides: dict, device: dict) -> None:
+  """Evaluate every sweep point on the same prompts and seed; write and print the table, the
+  plot and the points' metrics."""
+  from diffgemma.runs import provenance
+  from diffgemma.sampling import evaluation
+  from diffgemma.tools import compare
+
+  os.makedirs(_OUT.value, exist_ok=True)
+  results = []
+  for key, value, sampler_cfg in points:
+    with tqdm(total=len(prompts), desc=f"{key}={value}", unit="example") as bar:
+      metrics, _ = evaluation.evaluate(run.task, run.params, run.model_cfg, sampler_cfg, prompts,
+                                       batch, seed=_SEED.value, progress=bar, warmup=True)
+    metrics.pop("step_profile", None)
+    results.append(compare.SweepPoint(key, value, metrics))
+  metric = run.task.headline_metric
+  table = compare.markdown(*compare.sweep_table(results, metric))
+  header = (f"Sampler sweep of {run.source} (checkpoint step {run.step}) on "
+            f"{os.path.abspath(_DATA.value)}: {len(prompts)} examples, seed {_SEED.value}, batch "
+            f"{min(batch, len(prompts))}; base overrides {sampler_overrides or 'none'}; "
+            f"{provenance.describe_device(device)}")
+  with open(os.path.join(_OUT.value, "sweep.md"), "w", encoding="utf-8") as f:
+    f.write(header + "\n\n" + table + "\n")
+  width, height = compare.plot_sweep(results, metric, os.path.join(_OUT.value, "sweep.png"))
+  with open(os.path.join(_OUT.value, "sweep.json"), "w", encoding="utf-8") as f:
+    json.dump({"headline_metric": metric, "checkpoint_step": run.step, "device": device,
+               "data": os.path.abspath(_DATA.value), "sampler_overrides": sampler_overrides,
+               "points": [{"key": p.key, "value": p.value, "metrics": p.metrics}
+                          for p in results]}, f, indent=1)
+  print(header)
+  print(table)
+  print(f"plot: {os.path.join(_OUT.value, 'sweep.png')} ({width}x{height}); "
+        f"points: {os.path.join(_OUT.value, 'sweep.json')}")
 
 
 def write_jsonl(path: str, records) -> None:

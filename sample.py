@@ -47,8 +47,8 @@ _TRACE = flags.DEFINE_string(
     "trace", None, "Write a denoising trace: FILE.gif (Sudoku: the grid at every step) or "
     "FILE.html (any task: the canvas tokens at every step, shaded by entropy, accepted marked).")
 _WARM_RUNS = flags.DEFINE_integer(
-    "warm_runs", 1, "Text mode: after the first (cold, compiling) call, time this many warm "
-    "calls of the same reply; the summary gives both (0 = cold only).")
+    "warm_runs", 1, "After the first (cold, compiling) call, time this many warm calls of the "
+    "same reply; the summary gives both (0 = cold only).")
 _QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
                               "(weight-only; diffgemma/model/quantize.py defaults) before sampling.")
 
@@ -65,6 +65,8 @@ def main(argv):
       traces.check_trace_path(_TRACE.value)  # text replies: HTML
     except ValueError as e:
       raise cli.UserError(str(e)) from None
+  if _WARM_RUNS.value < 0:
+    raise cli.UserError(f"--warm_runs must be >= 0 (got {_WARM_RUNS.value})")
   if _WORKDIR.value is not None:
     sample_run()
   elif _INIT_FROM.value is not None:
@@ -87,8 +89,6 @@ def sample_text():
     raise cli.UserError("--prompt is empty")
   if _MAX_NEW_TOKENS.value is not None and _MAX_NEW_TOKENS.value <= 0:
     raise cli.UserError(f"--max_new_tokens must be positive (got {_MAX_NEW_TOKENS.value})")
-  if _WARM_RUNS.value < 0:
-    raise cli.UserError(f"--warm_runs must be >= 0 (got {_WARM_RUNS.value})")
   if not os.path.isdir(path):
     raise cli.UserError(f"checkpoint directory {path!r} not found")
   from diffgemma.io import tokenizer as tokenizer_lib
@@ -231,7 +231,7 @@ def sample_run():
   import jax
   import numpy as np
 
-  from diffgemma.runs import loaded
+  from diffgemma.runs import loaded, provenance
   from diffgemma.sampling import sampler
 
   run = loaded.open_run(_WORKDIR.value, **{**_sampler_overrides(), "record_trajectory": True})
@@ -246,8 +246,10 @@ def sample_run():
   run.load()
   run.params = _maybe_quantize(run.params)
   generate_fn = sampler.make_generate_fn(run.model_cfg, run.sampler_cfg)
-  out = jax.device_get(generate_fn(run.params, prompts.prompt_NxP, prompts.valid_NxP,
-                                   jax.random.PRNGKey(_SEED.value)))
+  timing = {}
+  out = _timed_generate(lambda: generate_fn(run.params, prompts.prompt_NxP, prompts.valid_NxP,
+                                            jax.random.PRNGKey(_SEED.value)),
+                        _WARM_RUNS.value, timing)
   trajectory = out["trajectory"]
   print(f"checkpoint step {run.step} ({run.task.name}); prompt:")
   print(run.task.prompt_text(prompts))
@@ -262,7 +264,9 @@ def sample_run():
       print(run.task.reply_text(trajectory["argmax"][k, n, 0], prompts, first_slot=k * c))
   print(f"\nfinal reply after {int(out['decoder_passes'][0])} denoising steps over "
         f"{num_canvases} canvas(es) (tokens per forward "
-        f"{float(out['tokens_per_forward'][0]):.2f}):")
+        f"{float(out['tokens_per_forward'][0]):.2f}; "
+        + latency_summary(timing, int(out["num_tokens"][0]), num_canvases) + "; "
+        + provenance.describe_device(provenance.device_info()) + "):")
   print(run.task.reply_text(out["tokens"][0], prompts))
   verdict = run.task.verdict(prompts, out["tokens"][0])
   if verdict:

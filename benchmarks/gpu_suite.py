@@ -22,7 +22,9 @@ DIR/gpu_suite.json. Sections:
       confidence_threshold=0, which no mean entropy is below, so the adaptive stop never
       fires; eos_token_id=-1, so no row ends early). Prints ms per decoder step (generation time
       minus the prefill, over the decoder passes, commits included) and the tokens/s that implies
-      at TPF 19.74 (the report: 13.56 ms, 1,456 tokens/s, H100 FP8).
+      at TPF 19.74 (the report: 13.56 ms, 1,456 tokens/s, H100 FP8), and the latency fields of
+      eval.py's JSON: cold seconds (the first call, compile included), warm seconds, seconds per
+      canvas and warm tokens/s. The JSON also holds the device (kind, jax, CPU model).
   (d) the LoRA SFT step of the 26B on one device at batch 1 (the sft_sudoku_lora recipe: rank 16
       on every linear, remat, "tiled_scan" experts; then the Pallas kernels; then a QLoRA int4
       base): ms per step and memory (XLA's plan, and the device's peak when it reports one).
@@ -48,7 +50,7 @@ from absl import app, flags  # noqa: E402
 
 from benchmarks import kernels as kernel_bench  # noqa: E402
 from diffgemma.model import network, quantize  # noqa: E402
-from diffgemma.runs import run_config, training_state
+from diffgemma.runs import provenance, run_config, training_state
 from diffgemma.sampling import sampler
 from diffgemma.training import update_step
 from diffgemma.training.stages import sft
@@ -283,15 +285,23 @@ def section_generate(suite: Suite, cfg: ModelConfig, shapes: dict, params, prefi
     generate = sampler.make_generate_fn(mcfg, scfg)
 
     def run(generate=generate, on=on):
+      start = time.perf_counter()
       out = jax.device_get(generate(params, prompt, valid, jax.random.PRNGKey(4)))  # compile
+      cold_s = time.perf_counter() - start
       start = time.perf_counter()
       out = jax.device_get(generate(params, prompt, valid, jax.random.PRNGKey(5)))
       seconds = time.perf_counter() - start
-      passes = int(out["decoder_passes"][0])
+      passes, canvases = int(out["decoder_passes"][0]), int(out["num_canvases"][0])
+      tokens = int(out["num_tokens"][0])
       decode_s = seconds - prefill_s.get(on, 0.0)
       step_ms = decode_s / passes * 1e3
-      return {"ms": seconds * 1e3, "note": (
+      # The latency fields of eval.py's JSON (sampling/evaluation.latency_metrics), batch 1.
+      return {"ms": seconds * 1e3, "cold_seconds": cold_s, "warm_seconds": seconds,
+              "seconds_per_canvas": seconds / canvases,
+              "tokens_per_second_warm": tokens / seconds, "note": (
           f"{passes} decoder passes ({steps}/canvas), {int(out['commit_passes'][0])} commits; "
+          f"cold {cold_s:.2f} s (compile included), warm {seconds:.3f} s, "
+          f"{seconds / canvases:.3f} s per canvas, {tokens / seconds:,.0f} tokens/s warm; "
           f"{step_ms:.2f} ms per step after the prefill; {new_tokens / decode_s:,.0f} tokens/s "
           f"measured; {REPORT_TPF / step_ms * 1e3:,.0f} tokens/s at TPF {REPORT_TPF} "
           f"(report: {REPORT_STEP_MS} ms, 1,456)")}
@@ -374,7 +384,8 @@ def write(suite: Suite, out_dir: str, header: list[str]):
   with open(os.path.join(out_dir, "gpu_suite.md"), "w") as f:
     f.write(text)
   with open(os.path.join(out_dir, "gpu_suite.json"), "w") as f:
-    json.dump({"header": header, "rows": suite.rows}, f, indent=1)
+    json.dump({"header": header, "device": provenance.device_info(), "rows": suite.rows}, f,
+              indent=1)
   print("\n" + text)
 
 
@@ -389,10 +400,11 @@ def main(argv):
   device = jax.devices()[0]
   peaks = kernel_bench.device_peaks(jnp.bfloat16, smoke, repeats)
   limit = memory_stats().get("bytes_limit")
+  info = provenance.device_info()
   header = [
       f"GPU suite, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}: "
       f"{device.device_kind} ({jax.default_backend()}), {len(jax.devices())} device(s), "
-      f"jax {jax.__version__}" + (f", {limit / GIB:.0f} GiB" if limit else "")
+      f"jax {jax.__version__}, CPU {info['cpu']}" + (f", {limit / GIB:.0f} GiB" if limit else "")
       + (" [smoke: tiny shapes, times not meaningful]" if smoke else ""),
       f"measured peaks: {peaks[0] / 1e12:.3g} TFLOP/s (bf16 matmul), {peaks[1] / 1e9:.3g} GB/s "
       f"(copy); model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} "

@@ -9,6 +9,10 @@ an interruption and the resume does not count. Held-out results that `scripts/sw
 --eval_data` stored under workdir/eval/NAME.json join the table.
 
   load_run(workdir) -> Run        format_table(runs) -> str        plot(runs, path)
+
+Sampler sweeps of one checkpoint (eval.py --sweep) use the same table and plot style:
+
+  sweep_table(points, metric) -> (header, rows)        plot_sweep(points, metric, path)
 """
 
 from __future__ import annotations
@@ -227,7 +231,11 @@ def _num(x: float) -> str:
 
 def format_table(runs: list[Run]) -> str:
   """`table` as an aligned markdown table."""
-  header, rows = table(runs)
+  return markdown(*table(runs))
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+  """(header, rows) of strings as an aligned markdown table."""
   widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
   line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
   return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
@@ -311,3 +319,63 @@ def plot(runs: list[Run], path: str) -> tuple[int, int]:
   plt.close(fig)
   return width, height
 
+
+
+# ----------------------------------------------------------------------------- sampler sweeps
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepPoint:
+  """One evaluated sampler setting: the swept key (a SamplerConfig field), its value, and
+  eval.py's metrics dict for it."""
+
+  key: str
+  value: object
+  metrics: dict
+
+
+SWEEP_METRICS = ("tokens_per_forward", "steps_per_canvas", "warm_seconds",
+                 "tokens_per_second_warm")
+
+
+def sweep_table(points: list[SweepPoint], metric: str) -> tuple[list[str], list[list[str]]]:
+  """(header, rows): one row per point in order: sampler key, value, `metric` (the task's
+  headline), then SWEEP_METRICS where the points have them."""
+  extra = [m for m in SWEEP_METRICS if any(p.metrics.get(m) is not None for p in points)]
+  header = ["sampler key", "value", metric] + extra
+  rows = []
+  for p in points:
+    cells = [p.metrics.get(m) for m in [metric] + extra]
+    rows.append([p.key, format_value(p.value)]
+                + ["-" if v is None else _num(float(v)) for v in cells])
+  return header, rows
+
+
+def plot_sweep(points: list[SweepPoint], metric: str, path: str) -> tuple[int, int]:
+  """`metric` against tokens per forward, one line per swept key (its points in sweep order,
+  each labelled with its value); a PNG of one PANEL_W_IN x PANEL_H_IN panel (doubled) at DPI
+  written to `path`; returns its size in pixels."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  width, height = round(2 * PANEL_W_IN * DPI), round(2 * PANEL_H_IN * DPI)
+  fig = plt.figure(figsize=(width / DPI, height / DPI), dpi=DPI)
+  ax = fig.add_subplot(1, 1, 1)
+  keys = list(dict.fromkeys(p.key for p in points))
+  for i, key in enumerate(keys):
+    line = [p for p in points if p.key == key]
+    x = [float(p.metrics["tokens_per_forward"]) for p in line]
+    y = [float(p.metrics[metric]) for p in line]
+    color = plt.get_cmap("tab10")(i % 10)
+    ax.plot(x, y, color=color, marker="o", markersize=4, linewidth=1.2, label=key)
+    for p, xi, yi in zip(line, x, y):
+      ax.annotate(format_value(p.value), (xi, yi), textcoords="offset points", xytext=(4, 4),
+                  fontsize=7, color=color)
+  _style(ax, f"{metric} vs TPF (sampler sweep)", "tokens per forward (TPF)", metric)
+  ax.legend(fontsize=7, loc="best")
+  fig.tight_layout()
+  fig.savefig(path, dpi=DPI)
+  plt.close(fig)
+  return width, height
