@@ -19,7 +19,7 @@ from diffgemma.sampling import sampler
 from diffgemma.tasks.base import Prompts, Task
 
 ROW_STATS = ("tokens_per_forward", "steps_per_canvas", "decoder_passes", "num_tokens",
-             "num_canvases", "settle_steps")
+             "num_canvases", "settle_steps", "ar_canvases", "ar_passes")
 
 
 def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, seed: int,
@@ -105,7 +105,9 @@ def latency_metrics(timing: dict, batch_size: int) -> dict:
 
 def sampler_metrics(stats: dict, seconds: float) -> dict[str, float]:
   """Means over rows of the sampler's per-row statistics; tokens_per_second counts generated
-  (non-pad) tokens over the sampler's wall time."""
+  (non-pad) tokens over the sampler's wall time. With an AR fallback: ar_fallback_rate (the
+  share of canvases decoded left to right) and ar_passes_per_reply (their forwards, already in
+  decoder_passes and so in TPF)."""
   metrics = {
       "tokens_per_forward": float(np.mean(stats["tokens_per_forward"])),
       "steps_per_canvas": float(np.mean(stats["steps_per_canvas"])),
@@ -116,6 +118,10 @@ def sampler_metrics(stats: dict, seconds: float) -> dict[str, float]:
     metrics["canvases_per_reply"] = float(np.mean(stats["num_canvases"]))
   if "settle_steps" in stats:
     metrics["settle_steps_per_canvas"] = float(np.mean(stats["settle_steps"]))
+  if "ar_canvases" in stats:  # sampler.ar_fallback: how often it fired and what it cost
+    metrics["ar_fallback_rate"] = float(np.sum(stats["ar_canvases"])
+                                        / max(np.sum(stats["num_canvases"]), 1))
+    metrics["ar_passes_per_reply"] = float(np.mean(stats["ar_passes"]))
   return metrics
 
 

@@ -32,6 +32,11 @@ from diffgemma.model.config import ModelConfig
 
 DIFFUSION = "diffusion"
 AR = "ar"
+# AR fallback rules (SamplerConfig.ar_fallback): which canvases are decoded left to right.
+FALLBACK_OFF = ""
+FALLBACK_UNCONVERGED = "unconverged"  # the loop hit max_denoising_steps without stopping
+FALLBACK_ENTROPY = "entropy"  # mean entropy still above a threshold after k steps
+FALLBACK_RULES = (FALLBACK_OFF, FALLBACK_UNCONVERGED, FALLBACK_ENTROPY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,15 @@ class SamplerConfig:
   # the draw, the entropy and the self-conditioning; 0 (or >= vocab_size) = off (the
   # reference's semantics).
   top_k: int = 0
+  # AR fallback per canvas (diffusion mode; off = the reference's semantics exactly): a canvas
+  # that meets the rule is decoded left to right through the encoder's next-token head instead
+  # (greedy, or at ar_temperature), then diffusion goes on with the next canvas.
+  #   "unconverged": its denoising loop ran all max_denoising_steps without the adaptive stop;
+  #   "entropy": after ar_fallback_after_steps steps its mean tempered entropy (the stop test's)
+  #     is above ar_fallback_entropy; its denoising stops there.
+  ar_fallback: str = FALLBACK_OFF
+  ar_fallback_entropy: float = 1.0
+  ar_fallback_after_steps: int = 8
 
   def __post_init__(self):
     if self.mode not in (DIFFUSION, AR):
@@ -78,6 +92,17 @@ class SamplerConfig:
       raise ValueError("top_k must be >= 0 (0 = no truncation)")
     if self.top_k and not self.fused_step:
       raise ValueError("top_k truncation needs fused_step=True")
+    if self.ar_fallback not in FALLBACK_RULES:
+      raise ValueError(f"unknown ar_fallback {self.ar_fallback!r}; choose one of "
+                       f"{FALLBACK_RULES} ('' = off)")
+    if self.ar_fallback and self.mode != DIFFUSION:
+      raise ValueError("ar_fallback applies to mode='diffusion'")
+    if (self.ar_fallback == FALLBACK_ENTROPY
+        and not 1 <= self.ar_fallback_after_steps <= self.max_denoising_steps):
+      raise ValueError(f"ar_fallback_after_steps must be in 1..max_denoising_steps "
+                       f"(got {self.ar_fallback_after_steps})")
+    if self.ar_fallback_entropy < 0:
+      raise ValueError("ar_fallback_entropy must be >= 0")
     object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
 
   def replace(self, **kwargs: Any) -> "SamplerConfig":
@@ -392,8 +417,9 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
     cache: the encoder cache; the canvas sits at slots [cache['end'], end + C).
     row_done_B: rows whose sequence already ended: frozen from the start, no passes counted.
   Returns:
-    (argmax_canvas_BxC, stats) with stats['num_steps'] [B] int32 (decoder passes per row) and,
-    when `record_trajectory`, stats['trajectory'] = {canvas [N,B,C] (each step's input),
+    (argmax_canvas_BxC, stats) with stats['num_steps'] [B] int32 (decoder passes per row); with
+    `ar_fallback`, stats['fallback'] [B] bool: rows that met the rule (and did not denoise
+    further); when `record_trajectory`, stats['trajectory'] = {canvas [N,B,C] (each step's input),
     argmax [N,B,C] (each step's output), accepted [N,B,C], entropy [N,B,C] (float32, the
     tempered entropy the acceptance ranked), valid [N,B] (row ran that step)}.
   """
@@ -402,6 +428,8 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
   init_key, loop_key = jax.random.split(rng)
   state = init_denoise_state(params, model_cfg, sampler_cfg, init_key, b, row_done_B)
   steps_B = jnp.zeros((b,), jnp.int32)
+  by_entropy = sampler_cfg.ar_fallback == FALLBACK_ENTROPY
+  fallback_B = jnp.zeros((b,), bool)
   traj = None
   if sampler_cfg.record_trajectory:
     traj = {"canvas": jnp.zeros((n_max, b, c), jnp.int32),
@@ -411,14 +439,21 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
             "valid": jnp.zeros((n_max, b), bool)}
 
   def cond(carry):
-    state, _, _ = carry
+    state = carry[0]
     return (state.step < n_max) & ~jnp.all(state.finished_B)
 
   def body(carry):
-    state, steps_B, traj = carry
+    state, steps_B, traj, fallback_B = carry
     # fold_in by step: each step's randomness is independent of when the loop exits.
     new_state, out = denoising_step(params, model_cfg, sampler_cfg, cache, state,
                                     jax.random.fold_in(loop_key, state.step))
+    if by_entropy:
+      # After k steps, a row still uncertain leaves the loop for AR decoding (frozen here).
+      hit_B = (out.active_B & ~new_state.finished_B
+               & (new_state.step == sampler_cfg.ar_fallback_after_steps)
+               & (jnp.mean(out.entropy_BxC, axis=-1) > sampler_cfg.ar_fallback_entropy))
+      fallback_B = fallback_B | hit_B
+      new_state = new_state._replace(finished_B=new_state.finished_B | hit_B)
     if traj is not None:
       put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, state.step, 0)
       traj = {"canvas": put(traj["canvas"], state.canvas_BxC),
@@ -426,10 +461,15 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
               "accepted": put(traj["accepted"], out.accepted_BxC),
               "entropy": put(traj["entropy"], out.entropy_BxC),
               "valid": put(traj["valid"], out.active_B)}
-    return new_state, steps_B + out.active_B.astype(jnp.int32), traj
+    return new_state, steps_B + out.active_B.astype(jnp.int32), traj, fallback_B
 
-  state, steps_B, traj = jax.lax.while_loop(cond, body, (state, steps_B, traj))
+  state, steps_B, traj, fallback_B = jax.lax.while_loop(cond, body,
+                                                        (state, steps_B, traj, fallback_B))
   stats = {"num_steps": steps_B}
+  if sampler_cfg.ar_fallback == FALLBACK_UNCONVERGED:
+    stats["fallback"] = ~state.finished_B  # ran all N steps without the adaptive stop
+  elif by_entropy:
+    stats["fallback"] = fallback_B
   if traj is not None:
     stats["trajectory"] = traj
   return state.argmax_BxC, stats
@@ -453,16 +493,22 @@ def _row_stats(tokens_BxL, decoder_passes_B, commit_passes_B, canvases_B, pad: i
 
 
 def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
-                        batch: int, rng):
-  """Block-autoregressive canvases after an encoded prompt (see `generate`)."""
+                        batch: int, rng, last_logits_BxV=None):
+  """Block-autoregressive canvases after an encoded prompt (see `generate`). With
+  `ar_fallback`, `last_logits_BxV` (the next-token logits after the prompt) starts the AR
+  decoding of a canvas that falls back; every commit then keeps its own last logits."""
   c, k_max = model_cfg.canvas_length, num_canvases(model_cfg, sampler_cfg)
   n_max = sampler_cfg.max_denoising_steps
+  fallback = bool(sampler_cfg.ar_fallback)
   zeros_B = jnp.zeros((batch,), jnp.int32)
   carry = {
       "k": jnp.zeros((), jnp.int32), "cache": cache,
       "tokens": jnp.full((batch, k_max * c), model_cfg.pad_token_id, jnp.int32),
       "finished": jnp.zeros((batch,), bool), "passes": zeros_B, "commits": zeros_B,
       "canvases": zeros_B, "canvas_steps": jnp.zeros((batch, k_max), jnp.int32)}
+  if fallback:
+    carry.update(logits=last_logits_BxV.astype(jnp.float32), ar_canvases=zeros_B,
+                 ar_passes=zeros_B, canvas_ar=jnp.zeros((batch, k_max), bool))
   if sampler_cfg.record_trajectory:
     carry["trajectory"] = {
         "canvas": jnp.zeros((k_max, n_max, batch, c), jnp.int32),
@@ -478,14 +524,30 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
     k, finished_B = carry["k"], carry["finished"]
     canvas_BxC, stats = denoise_canvas(params, model_cfg, sampler_cfg, carry["cache"],
                                        jax.random.fold_in(rng, k), finished_B)
+    if fallback:
+      ar_B = stats["fallback"] & ~finished_B
+      # The AR pass writes a copy of the cache; the canvas is then committed as any other.
+      canvas_BxC, ar_passes_B = jax.lax.cond(
+          jnp.any(ar_B),
+          lambda: ar_canvas(params, model_cfg, sampler_cfg, carry["cache"], carry["logits"],
+                            ar_B, canvas_BxC, jax.random.fold_in(jax.random.fold_in(rng, k), 1)),
+          lambda: (canvas_BxC, zeros_B))
     budget_reached = (k + 1) * c >= sampler_cfg.max_new_tokens
     canvas_BxC, new_finished_B = finalize_canvas(canvas_BxC, finished_B, budget_reached,
                                                  model_cfg, stop_ids(model_cfg, sampler_cfg))
     # Commit the final canvas (pads included, all attended, as the reference) only when another
     # canvas follows: the last canvas is never encoded.
-    cache = jax.lax.cond(
-        jnp.all(new_finished_B), lambda cache: cache,
-        lambda cache: network.encode(params, model_cfg, canvas_BxC, cache)[1], carry["cache"])
+    if fallback:
+      def commit(args):
+        hidden_BxCxD, cache = network.encode(params, model_cfg, canvas_BxC, args[0])
+        return cache, network.lm_head(params, hidden_BxCxD[:, -1], model_cfg).astype(jnp.float32)
+
+      cache, logits_BxV = jax.lax.cond(jnp.all(new_finished_B), lambda args: args, commit,
+                                       (carry["cache"], carry["logits"]))
+    else:
+      cache = jax.lax.cond(
+          jnp.all(new_finished_B), lambda cache: cache,
+          lambda cache: network.encode(params, model_cfg, canvas_BxC, cache)[1], carry["cache"])
     new = dict(carry)
     new.update(
         k=k + 1, cache=cache, finished=new_finished_B,
@@ -494,6 +556,11 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
         commits=carry["commits"] + (~new_finished_B).astype(jnp.int32),
         canvases=carry["canvases"] + (~finished_B).astype(jnp.int32),
         canvas_steps=carry["canvas_steps"].at[:, k].set(stats["num_steps"]))
+    if fallback:
+      new.update(logits=logits_BxV, passes=new["passes"] + ar_passes_B,
+                 ar_canvases=carry["ar_canvases"] + ar_B.astype(jnp.int32),
+                 ar_passes=carry["ar_passes"] + ar_passes_B,
+                 canvas_ar=carry["canvas_ar"].at[:, k].set(ar_B))
     if sampler_cfg.record_trajectory:
       new["trajectory"] = jax.tree_util.tree_map(
           lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, k, 0),
@@ -504,9 +571,66 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
   out = _row_stats(carry["tokens"], carry["passes"], carry["commits"], carry["canvases"],
                    model_cfg.pad_token_id)
   out["canvas_steps"] = carry["canvas_steps"]
+  if fallback:
+    out.update(ar_canvases=carry["ar_canvases"], ar_passes=carry["ar_passes"],
+               canvas_ar=carry["canvas_ar"])
   if sampler_cfg.record_trajectory:
     out["trajectory"] = carry["trajectory"]
   return out
+
+
+def ar_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
+              last_logits_BxV, rows_B, canvas_BxC, rng):
+  """AR fallback: rows `rows_B` of the canvas at cache['end'] decoded left to right through
+  the encoder's next-token head, exactly as mode="ar" decodes (`ar_next_token`, `ar_forward`);
+  other rows keep `canvas_BxC`. A row stops at a stop id (pad after it). `cache` is not
+  returned: the caller commits the finished canvas as any other.
+
+  Returns (canvas_BxC, ar_passes_B): token-producing forwards per row, counted as mode="ar"
+  counts them (one per token emitted; 0 for rows not decoded).
+  """
+  c = model_cfg.canvas_length
+  stops, pad = stop_ids(model_cfg, sampler_cfg), model_cfg.pad_token_id
+
+  def cond(carry):
+    return (carry["t"] < c) & ~jnp.all(carry["done"])
+
+  def body(carry):
+    t, done_B = carry["t"], carry["done"]
+    token_B = jnp.where(done_B, pad, ar_next_token(carry["logits"], t, rng, sampler_cfg))
+    new_done_B = done_B | is_stop(token_B, stops)
+    # No encoder pass after the canvas's last token (the commit encodes the whole canvas).
+    cache, logits_BxV = jax.lax.cond(
+        jnp.all(new_done_B) | (t + 1 >= c), lambda args: args,
+        lambda args: ar_forward(params, model_cfg, args[0], token_B),
+        (carry["cache"], carry["logits"]))
+    return {"t": t + 1, "cache": cache, "logits": logits_BxV.astype(jnp.float32),
+            "done": new_done_B,
+            "tokens": jax.lax.dynamic_update_index_in_dim(carry["tokens"], token_B, t, 1),
+            "passes": carry["passes"] + (~done_B).astype(jnp.int32)}
+
+  carry = {"t": jnp.zeros((), jnp.int32), "cache": cache,
+           "logits": last_logits_BxV.astype(jnp.float32), "done": ~rows_B,
+           "tokens": jnp.full(canvas_BxC.shape, pad, jnp.int32),
+           "passes": jnp.zeros(rows_B.shape, jnp.int32)}
+  carry = jax.lax.while_loop(cond, body, carry)
+  return jnp.where(rows_B[:, None], carry["tokens"], canvas_BxC), carry["passes"]
+
+
+def ar_next_token(logits_BxV, t, rng, sampler_cfg: SamplerConfig):
+  """The next AR token from next-token logits: argmax (ar_temperature 0) or a draw at
+  ar_temperature with key fold_in(rng, t); int32 [B]."""
+  if sampler_cfg.ar_temperature == 0.0:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(jax.random.fold_in(rng, t),
+                                logits_BxV / sampler_cfg.ar_temperature).astype(jnp.int32)
+
+
+def ar_forward(params, model_cfg: ModelConfig, cache, token_B):
+  """One encoder pass over one token per row: (cache with it appended, next-token logits
+  [B, V])."""
+  hidden, cache = network.encode(params, model_cfg, token_B[:, None], cache)
+  return cache, network.lm_head(params, hidden[:, -1], model_cfg)
 
 
 def settle_steps(trajectory):
@@ -535,28 +659,17 @@ def _generate_ar(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cac
   max_new = sampler_cfg.max_new_tokens
   stops, pad = stop_ids(model_cfg, sampler_cfg), model_cfg.pad_token_id
 
-  def pick(logits_BxV, t):
-    if sampler_cfg.ar_temperature == 0.0:
-      return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(jax.random.fold_in(rng, t),
-                                  logits_BxV / sampler_cfg.ar_temperature).astype(jnp.int32)
-
   def cond(carry):
     return (carry["t"] < max_new) & ~jnp.all(carry["done"])
 
   def body(carry):
     t, done_B = carry["t"], carry["done"]
-    token_B = jnp.where(done_B, pad, pick(carry["logits"], t))
+    token_B = jnp.where(done_B, pad, ar_next_token(carry["logits"], t, rng, sampler_cfg))
     new_done_B = done_B | is_stop(token_B, stops)
-
-    def step(args):
-      cache, _ = args
-      hidden, cache = network.encode(params, model_cfg, token_B[:, None], cache)
-      return cache, network.lm_head(params, hidden[:, -1], model_cfg)
-
     # No encoder pass after the last token.
     cache, logits_BxV = jax.lax.cond(
-        jnp.all(new_done_B) | (t + 1 >= max_new), lambda args: args, step,
+        jnp.all(new_done_B) | (t + 1 >= max_new), lambda args: args,
+        lambda args: ar_forward(params, model_cfg, args[0], token_B),
         (carry["cache"], carry["logits"]))
     return {"t": t + 1, "cache": cache, "logits": logits_BxV, "done": new_done_B,
             "tokens": jax.lax.dynamic_update_index_in_dim(carry["tokens"], token_B, t, 1),
@@ -588,7 +701,9 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
     decoder_passes [B] (denoising forwards; AR: token-producing forwards), commit_passes [B]
     (canvas commits the row needed; AR: 0), num_canvases [B], steps_per_canvas [B],
     tokens_per_forward [B] = num_tokens / decoder_passes; diffusion only: canvas_steps [B, K],
-    and with `record_trajectory` trajectory {canvas, argmax, accepted, entropy: [K,N,B,C],
+    with `ar_fallback` ar_canvases [B] (canvases decoded left to right), ar_passes [B] (their
+    token-producing forwards, included in decoder_passes) and canvas_ar [B, K] (which), and
+    with `record_trajectory` trajectory {canvas, argmax, accepted, entropy: [K,N,B,C],
     valid [K,N,B]}.
   """
   batch, prompt_len = prompt_BxP.shape
@@ -603,6 +718,10 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
   if sampler_cfg.mode == AR:
     last_logits_BxV = network.lm_head(params, hidden_BxPxD[:, -1], model_cfg)
     return _generate_ar(params, model_cfg, sampler_cfg, cache, last_logits_BxV, rng)
+  if sampler_cfg.ar_fallback:
+    last_logits_BxV = network.lm_head(params, hidden_BxPxD[:, -1], model_cfg)
+    return _generate_diffusion(params, model_cfg, sampler_cfg, cache, batch, rng,
+                               last_logits_BxV)
   return _generate_diffusion(params, model_cfg, sampler_cfg, cache, batch, rng)
 
 

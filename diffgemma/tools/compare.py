@@ -334,7 +334,7 @@ class SweepPoint:
   metrics: dict
 
 
-SWEEP_METRICS = ("tokens_per_forward", "steps_per_canvas", "warm_seconds",
+SWEEP_METRICS = ("tokens_per_forward", "steps_per_canvas", "ar_fallback_rate", "warm_seconds",
                  "tokens_per_second_warm")
 
 
