@@ -46,6 +46,14 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampler seed.")
 _TRACE = flags.DEFINE_string(
     "trace", None, "Write a denoising trace: FILE.gif (Sudoku: the grid at every step) or "
     "FILE.html (any task: the canvas tokens at every step, shaded by entropy, accepted marked).")
+_INFILL_PREFIX = flags.DEFINE_string(
+    "infill_prefix", None, "Text mode, infilling: the reply starts with this text (fixed).")
+_INFILL_SUFFIX = flags.DEFINE_string(
+    "infill_suffix", None, "Text mode, infilling: the text that follows the generated middle "
+    "(fixed, never re-noised; docs/design.md, \"Infilling\").")
+_INFILL_LENGTH = flags.DEFINE_integer(
+    "infill_length", None, "Text mode, infilling: tokens of the middle; default: the rest of "
+    "the canvas the prefix ends in, less the suffix and one slot for the end of turn.")
 _WARM_RUNS = flags.DEFINE_integer(
     "warm_runs", 1, "After the first (cold, compiling) call, time this many warm calls of the "
     "same reply; the summary gives both (0 = cold only).")
@@ -109,6 +117,7 @@ def sample_text():
   except (tokenizer_lib.TokenizerError, CheckpointFormatError, ValueError) as e:
     raise cli.UserError(str(e)) from None
   num_prompt = prompts.prompt_NxP.shape[1]
+  infill = _infill_slots(task, sampler)
   context = _context_length(hf_config)
   if context is not None and num_prompt >= context:
     raise cli.UserError(f"prompt is {num_prompt} tokens, longer than the model's context "
@@ -134,14 +143,21 @@ def sample_text():
                                  record_trajectory=bool(_TRACE.value))
 
   args = (prompts.prompt_NxP, prompts.valid_NxP, jax.random.PRNGKey(_SEED.value))
+  if infill is not None:
+    args += tuple(x[None] for x in infill)
   generate = jax.jit(sampler.generate, static_argnums=(1, 2))
   timing = {}
   out = _timed_generate(lambda: generate(params, model_cfg, sampler_cfg, *args),
                         _WARM_RUNS.value, timing)
 
   tokens = [int(t) for t in out["tokens"][0]]
-  end = next((i for i, t in enumerate(tokens) if t in stops), None)
-  print(task.reply_text(out["tokens"][0]))
+  # Infilling: the reply runs at least through the suffix (a stop id before it is a token).
+  fixed_end = int(infill[1].nonzero()[0][-1]) + 1 if infill is not None else 0
+  end = next((i for i, t in enumerate(tokens) if t in stops and i >= fixed_end), None)
+  if infill is not None:
+    print(task.tokenizer.decode(tokens[:fixed_end]) + task.reply_text(out["tokens"][0][fixed_end:]))
+  else:
+    print(task.reply_text(out["tokens"][0]))
   num_tokens, canvases = int(out["num_tokens"][0]), int(out["num_canvases"][0])
   ended = (f"stopped at {task.tokenizer.decode([tokens[end]], skip_special_tokens=False)!r}"
            if end is not None else "token budget reached")
@@ -153,6 +169,29 @@ def sample_text():
   if _TRACE.value:
     rows = task.write_trace(_TRACE.value, prompts, out["trajectory"])
     print(f"trace: {_TRACE.value} ({rows} denoising steps)")
+
+
+def _infill_slots(task, sampler):
+  """--infill_prefix / --infill_suffix / --infill_length as (tokens_L, mask_L) over the reply
+  slots (sampler.infill_slots), or None without a suffix."""
+  if _INFILL_SUFFIX.value is None:
+    if _INFILL_PREFIX.value is not None or _INFILL_LENGTH.value is not None:
+      raise cli.UserError("--infill_prefix / --infill_length need --infill_suffix")
+    return None
+  tok, layout = task.tokenizer, task.layout
+  prefix = tok.encode(_INFILL_PREFIX.value) if _INFILL_PREFIX.value else []
+  suffix = tok.encode(_INFILL_SUFFIX.value)
+  middle = _INFILL_LENGTH.value
+  if middle is None:  # the rest of the prefix's canvas, one slot left for the end of turn
+    end = -(-max(len(prefix), 1) // layout.canvas_length) * layout.canvas_length
+    middle = end - len(prefix) - len(suffix) - 1
+    if middle < 1:
+      raise cli.UserError(f"the prefix and suffix leave no room for a middle in their canvas of "
+                          f"{layout.canvas_length} tokens; give --infill_length")
+  try:
+    return sampler.infill_slots(prefix, suffix, middle, layout.response_len, tok.pad_id)
+  except ValueError as e:
+    raise cli.UserError(f"--infill_*: {e}") from None
 
 
 def _timed_generate(call, warm_runs: int, timing: dict):

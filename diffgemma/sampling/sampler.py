@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from diffgemma.model import network
 from diffgemma.model.config import ModelConfig
@@ -225,20 +226,26 @@ def is_stop(tokens, stop_token_ids: tuple[int, ...]):
 
 
 def finalize_canvas(canvas_BxC, finished_B, budget_reached, model_cfg: ModelConfig,
-                    stop_token_ids: tuple[int, ...] | None = None):
+                    stop_token_ids: tuple[int, ...] | None = None, stop_allowed_BxC=None):
   """EOS handling of a newly denoised canvas: (final canvas [B, C], finished [B]).
 
   Rows finished in earlier canvases get an all-pad canvas; in every row, tokens after the first
   EOS become pad (the EOS itself stays). A row finishes when its canvas (as denoised) holds an
   EOS or when the token budget is reached (`budget_reached`, a scalar bool). "EOS" is any of
-  `stop_token_ids` (default: the model's eos_token_id alone).
+  `stop_token_ids` (default: the model's eos_token_id alone) at a position where
+  `stop_allowed_BxC` is True (default: everywhere; infilling: after the last fixed token).
   """
   if stop_token_ids is None:
     stop_token_ids = (model_cfg.eos_token_id,)
   pad = model_cfg.pad_token_id
-  finished_now_B = jnp.any(is_stop(canvas_BxC, stop_token_ids), axis=-1) | budget_reached
+
+  def stops(canvas_BxC):
+    is_eos_BxC = is_stop(canvas_BxC, stop_token_ids)
+    return is_eos_BxC if stop_allowed_BxC is None else is_eos_BxC & stop_allowed_BxC
+
+  finished_now_B = jnp.any(stops(canvas_BxC), axis=-1) | budget_reached
   canvas_BxC = jnp.where(finished_B[:, None], pad, canvas_BxC)
-  is_eos_BxC = is_stop(canvas_BxC, stop_token_ids)
+  is_eos_BxC = stops(canvas_BxC)
   eos_count_BxC = jnp.cumsum(is_eos_BxC, axis=-1)
   after_eos_BxC = (eos_count_BxC > 0) & ~((eos_count_BxC == 1) & is_eos_BxC)
   return jnp.where(after_eos_BxC, pad, canvas_BxC), finished_B | finished_now_B
@@ -255,6 +262,8 @@ class DenoiseState(NamedTuple):
   history_SxBxC: argmax canvases for the stability test.
   finished_B: rows that stopped (or never needed to run); they are frozen.
   step: denoising steps taken so far (scalar int32); step remaining n = N - step.
+  fixed_BxC, fixed_mask_BxC: infilling's clean tokens and where they sit (None: no infilling);
+    they are never re-noised (`denoising_step`).
   """
 
   canvas_BxC: jax.Array
@@ -264,6 +273,8 @@ class DenoiseState(NamedTuple):
   history_SxBxC: jax.Array
   finished_B: jax.Array
   step: jax.Array
+  fixed_BxC: Any = None
+  fixed_mask_BxC: Any = None
 
 
 class StepOutput(NamedTuple):
@@ -285,10 +296,15 @@ def _step_output(frozen_B, accepted_BxC, tempered_BxCxV, entropy_BxC) -> StepOut
 
 
 def init_denoise_state(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, rng,
-                       batch: int, finished_B=None) -> DenoiseState:
-  """Uniform random canvas; argmax starts as that canvas (as the reference), no self-cond."""
+                       batch: int, finished_B=None, fixed=None) -> DenoiseState:
+  """Uniform random canvas; argmax starts as that canvas (as the reference), no self-cond.
+  `fixed` = (tokens_BxC, mask_BxC): infilling's clean tokens, placed where mask is True."""
   c, v = model_cfg.canvas_length, model_cfg.vocab_size
   canvas_BxC = jax.random.randint(rng, (batch, c), 0, v, jnp.int32)
+  fixed_BxC = fixed_mask_BxC = None
+  if fixed is not None:
+    fixed_BxC, fixed_mask_BxC = fixed
+    canvas_BxC = jnp.where(fixed_mask_BxC, fixed_BxC, canvas_BxC)
   if finished_B is None:
     finished_B = jnp.zeros((batch,), bool)
   return DenoiseState(
@@ -301,7 +317,8 @@ def init_denoise_state(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfi
           model_cfg.compute_dtype),
       history_SxBxC=init_stability_history(batch, c, sampler_cfg),
       finished_B=finished_B,
-      step=jnp.zeros((), jnp.int32))
+      step=jnp.zeros((), jnp.int32),
+      fixed_BxC=fixed_BxC, fixed_mask_BxC=fixed_mask_BxC)
 
 
 def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
@@ -327,6 +344,7 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
   entropy_BxC = _entropy(log_probs_BxCxV)
   sampled_BxC = sample_categorical(sample_key, log_probs_BxCxV)
   argmax_BxC = jnp.argmax(tempered_BxCxV, axis=-1).astype(jnp.int32)
+  sampled_BxC, argmax_BxC, entropy_BxC = _clamp_fixed(state, sampled_BxC, argmax_BxC, entropy_BxC)
   canvas_BxC, argmax_BxC, accepted_BxC = _accept_and_renoise(
       state, sampled_BxC, argmax_BxC, entropy_BxC, noise_key, model_cfg, sampler_cfg)
   frozen_B = state.finished_B
@@ -343,8 +361,20 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
       self_cond_embedding_BxCxD=state.self_cond_embedding_BxCxD,
       history_SxBxC=history_SxBxC,
       finished_B=frozen_B | stop_B,
-      step=state.step + 1)
+      step=state.step + 1,
+      fixed_BxC=state.fixed_BxC, fixed_mask_BxC=state.fixed_mask_BxC)
   return new_state, _step_output(frozen_B, accepted_BxC, tempered_BxCxV, entropy_BxC)
+
+
+def _clamp_fixed(state: DenoiseState, sampled_BxC, argmax_BxC, entropy_BxC):
+  """Infilling: at fixed positions the draw and the argmax are the clean token and the entropy
+  is 0 (it is certain), so the acceptance always keeps it, it spends none of the entropy bound
+  and counts as confident in the stop test. A no-op without fixed tokens."""
+  if state.fixed_mask_BxC is None:
+    return sampled_BxC, argmax_BxC, entropy_BxC
+  mask_BxC, fixed_BxC = state.fixed_mask_BxC, state.fixed_BxC
+  return (jnp.where(mask_BxC, fixed_BxC, sampled_BxC), jnp.where(mask_BxC, fixed_BxC, argmax_BxC),
+          jnp.where(mask_BxC, 0.0, entropy_BxC))
 
 
 def _accept_and_renoise(state: DenoiseState, sampled_BxC, argmax_BxC, entropy_BxC, noise_key,
@@ -395,6 +425,7 @@ def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerCo
                                               sampler_cfg)
   sampled_BxC, argmax_BxC, entropy_BxC, embedding_BxCxD = fused_sample(
       params, model_cfg, tempered_BxCxV, sample_key, sampler_cfg.top_k)
+  sampled_BxC, argmax_BxC, entropy_BxC = _clamp_fixed(state, sampled_BxC, argmax_BxC, entropy_BxC)
   canvas_BxC, argmax_BxC, accepted_BxC = _accept_and_renoise(
       state, sampled_BxC, argmax_BxC, entropy_BxC, noise_key, model_cfg, sampler_cfg)
   frozen_B = state.finished_B
@@ -410,12 +441,14 @@ def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerCo
 
 
 def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache, rng,
-                   row_done_B=None):
+                   row_done_B=None, fixed=None):
   """Denoise one canvas after the cached prefix, in one `lax.while_loop`.
 
   Args:
     cache: the encoder cache; the canvas sits at slots [cache['end'], end + C).
     row_done_B: rows whose sequence already ended: frozen from the start, no passes counted.
+    fixed: infilling's (tokens_BxC, mask_BxC): clean tokens that stay as given (never
+      re-noised; the returned canvas holds them).
   Returns:
     (argmax_canvas_BxC, stats) with stats['num_steps'] [B] int32 (decoder passes per row); with
     `ar_fallback`, stats['fallback'] [B] bool: rows that met the rule (and did not denoise
@@ -426,7 +459,7 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
   b = cache["valid"].shape[0]
   n_max, c = sampler_cfg.max_denoising_steps, model_cfg.canvas_length
   init_key, loop_key = jax.random.split(rng)
-  state = init_denoise_state(params, model_cfg, sampler_cfg, init_key, b, row_done_B)
+  state = init_denoise_state(params, model_cfg, sampler_cfg, init_key, b, row_done_B, fixed)
   steps_B = jnp.zeros((b,), jnp.int32)
   by_entropy = sampler_cfg.ar_fallback == FALLBACK_ENTROPY
   fallback_B = jnp.zeros((b,), bool)
@@ -493,13 +526,18 @@ def _row_stats(tokens_BxL, decoder_passes_B, commit_passes_B, canvases_B, pad: i
 
 
 def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
-                        batch: int, rng, last_logits_BxV=None):
+                        batch: int, rng, last_logits_BxV=None, fixed=None):
   """Block-autoregressive canvases after an encoded prompt (see `generate`). With
   `ar_fallback`, `last_logits_BxV` (the next-token logits after the prompt) starts the AR
-  decoding of a canvas that falls back; every commit then keeps its own last logits."""
+  decoding of a canvas that falls back; every commit then keeps its own last logits. `fixed`:
+  infilling's (tokens_BxL, mask_BxL) over the K*C reply slots (see `generate`)."""
   c, k_max = model_cfg.canvas_length, num_canvases(model_cfg, sampler_cfg)
   n_max = sampler_cfg.max_denoising_steps
   fallback = bool(sampler_cfg.ar_fallback)
+  if fixed is not None:
+    # A reply cannot end before its last fixed token (a stop id drawn in the middle stays a
+    # token), so the supplied suffix is never cut off.
+    fixed_stop_allowed_BxL = jnp.cumsum(fixed[1][:, ::-1], axis=1)[:, ::-1] == 0
   zeros_B = jnp.zeros((batch,), jnp.int32)
   carry = {
       "k": jnp.zeros((), jnp.int32), "cache": cache,
@@ -522,19 +560,25 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
 
   def body(carry):
     k, finished_B = carry["k"], carry["finished"]
+    fixed_k = stop_allowed_BxC = None
+    if fixed is not None:
+      fixed_k = tuple(jax.lax.dynamic_slice_in_dim(x, k * c, c, axis=1) for x in fixed)
+      stop_allowed_BxC = jax.lax.dynamic_slice_in_dim(fixed_stop_allowed_BxL, k * c, c, axis=1)
     canvas_BxC, stats = denoise_canvas(params, model_cfg, sampler_cfg, carry["cache"],
-                                       jax.random.fold_in(rng, k), finished_B)
+                                       jax.random.fold_in(rng, k), finished_B, fixed_k)
     if fallback:
       ar_B = stats["fallback"] & ~finished_B
       # The AR pass writes a copy of the cache; the canvas is then committed as any other.
       canvas_BxC, ar_passes_B = jax.lax.cond(
           jnp.any(ar_B),
           lambda: ar_canvas(params, model_cfg, sampler_cfg, carry["cache"], carry["logits"],
-                            ar_B, canvas_BxC, jax.random.fold_in(jax.random.fold_in(rng, k), 1)),
+                            ar_B, canvas_BxC, jax.random.fold_in(jax.random.fold_in(rng, k), 1),
+                            fixed_k, stop_allowed_BxC),
           lambda: (canvas_BxC, zeros_B))
     budget_reached = (k + 1) * c >= sampler_cfg.max_new_tokens
     canvas_BxC, new_finished_B = finalize_canvas(canvas_BxC, finished_B, budget_reached,
-                                                 model_cfg, stop_ids(model_cfg, sampler_cfg))
+                                                 model_cfg, stop_ids(model_cfg, sampler_cfg),
+                                                 stop_allowed_BxC)
     # Commit the final canvas (pads included, all attended, as the reference) only when another
     # canvas follows: the last canvas is never encoded.
     if fallback:
@@ -580,11 +624,13 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
 
 
 def ar_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
-              last_logits_BxV, rows_B, canvas_BxC, rng):
+              last_logits_BxV, rows_B, canvas_BxC, rng, fixed=None, stop_allowed_BxC=None):
   """AR fallback: rows `rows_B` of the canvas at cache['end'] decoded left to right through
   the encoder's next-token head, exactly as mode="ar" decodes (`ar_next_token`, `ar_forward`);
   other rows keep `canvas_BxC`. A row stops at a stop id (pad after it). `cache` is not
-  returned: the caller commits the finished canvas as any other.
+  returned: the caller commits the finished canvas as any other. Infilling: `fixed`
+  (tokens_BxC, mask_BxC) slots emit their fixed token, and a stop id counts only where
+  `stop_allowed_BxC`.
 
   Returns (canvas_BxC, ar_passes_B): token-producing forwards per row, counted as mode="ar"
   counts them (one per token emitted; 0 for rows not decoded).
@@ -597,8 +643,13 @@ def ar_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
 
   def body(carry):
     t, done_B = carry["t"], carry["done"]
-    token_B = jnp.where(done_B, pad, ar_next_token(carry["logits"], t, rng, sampler_cfg))
-    new_done_B = done_B | is_stop(token_B, stops)
+    token_B = ar_next_token(carry["logits"], t, rng, sampler_cfg)
+    stop_B = is_stop(token_B, stops)
+    if fixed is not None:
+      token_B = jnp.where(fixed[1][:, t], fixed[0][:, t], token_B)
+      stop_B = is_stop(token_B, stops) & stop_allowed_BxC[:, t]
+    token_B = jnp.where(done_B, pad, token_B)
+    new_done_B = done_B | stop_B
     # No encoder pass after the canvas's last token (the commit encodes the whole canvas).
     cache, logits_BxV = jax.lax.cond(
         jnp.all(new_done_B) | (t + 1 >= c), lambda args: args,
@@ -687,7 +738,7 @@ def _generate_ar(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cac
 
 
 def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_BxP,
-             prompt_valid_BxP=None, rng=None) -> dict:
+             prompt_valid_BxP=None, rng=None, fixed_BxL=None, fixed_mask_BxL=None) -> dict:
   """Generate after a (left-padded) prompt; jittable with configs static (`make_generate_fn`).
 
   Allocates a cache of P + K*C slots (K = ceil(max_new_tokens / C)), encodes the prompt (pads
@@ -705,6 +756,11 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
     token-producing forwards, included in decoder_passes) and canvas_ar [B, K] (which), and
     with `record_trajectory` trajectory {canvas, argmax, accepted, entropy: [K,N,B,C],
     valid [K,N,B]}.
+  Infilling (diffusion mode): `fixed_BxL` int32 and `fixed_mask_BxL` bool over the K*C reply
+  slots give clean tokens (e.g. a prefix and a suffix, `infill_slots`) that sit in their
+  canvases from the start and are never re-noised; a stop id before a row's last fixed slot
+  does not end the row. The tokens returned hold them unchanged. None: no infilling (the
+  program is today's).
   """
   batch, prompt_len = prompt_BxP.shape
   if prompt_valid_BxP is None:
@@ -715,21 +771,65 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
   cache = network.init_cache(model_cfg, batch, max_len)
   hidden_BxPxD, cache = network.encode(params, model_cfg, prompt_BxP.astype(jnp.int32), cache,
                                      prompt_valid_BxP.astype(bool))
+  fixed = None
+  if fixed_BxL is not None:
+    if sampler_cfg.mode == AR:
+      raise ValueError("infilling needs mode='diffusion'")
+    fixed = (jnp.asarray(fixed_BxL, jnp.int32), jnp.asarray(fixed_mask_BxL, bool))
   if sampler_cfg.mode == AR:
     last_logits_BxV = network.lm_head(params, hidden_BxPxD[:, -1], model_cfg)
     return _generate_ar(params, model_cfg, sampler_cfg, cache, last_logits_BxV, rng)
   if sampler_cfg.ar_fallback:
     last_logits_BxV = network.lm_head(params, hidden_BxPxD[:, -1], model_cfg)
     return _generate_diffusion(params, model_cfg, sampler_cfg, cache, batch, rng,
-                               last_logits_BxV)
-  return _generate_diffusion(params, model_cfg, sampler_cfg, cache, batch, rng)
+                               last_logits_BxV, fixed)
+  return _generate_diffusion(params, model_cfg, sampler_cfg, cache, batch, rng, fixed=fixed)
 
 
 def make_generate_fn(model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
-  """`fn(params, prompt_BxP, prompt_valid_BxP, rng) -> dict`, jitted for these configs."""
+  """`fn(params, prompt_BxP, prompt_valid_BxP, rng, fixed_BxL=None, fixed_mask_BxL=None) ->
+  dict`, jitted for these configs (the fixed tokens: infilling, see `generate`)."""
   jitted = jax.jit(generate, static_argnums=(1, 2))
 
-  def generate_fn(params, prompt_BxP, prompt_valid_BxP, rng):
-    return jitted(params, model_cfg, sampler_cfg, prompt_BxP, prompt_valid_BxP, rng)
+  def generate_fn(params, prompt_BxP, prompt_valid_BxP, rng, fixed_BxL=None,
+                  fixed_mask_BxL=None):
+    return jitted(params, model_cfg, sampler_cfg, prompt_BxP, prompt_valid_BxP, rng, fixed_BxL,
+                  fixed_mask_BxL)
 
   return generate_fn
+
+
+def infill_slots(prefix_ids, suffix_ids, middle_len: int, num_slots: int, pad_id: int):
+  """The fixed tokens of an infill over `num_slots` (K*C) reply slots: the prefix at slots
+  [0, len(prefix)), the middle (generated) at the next `middle_len`, the suffix right after it;
+  the slots after the suffix are generated too (the reply's end). Returns (tokens_L int32,
+  mask_L bool), numpy; ValueError (one line) if they do not fit."""
+  prefix, suffix = list(prefix_ids), list(suffix_ids)
+  if middle_len < 0:
+    raise ValueError(f"the middle length must be >= 0 (got {middle_len})")
+  if not suffix:
+    raise ValueError("infilling needs a suffix (an empty one is plain generation)")
+  end = len(prefix) + middle_len + len(suffix)
+  if end > num_slots:
+    raise ValueError(f"prefix ({len(prefix)}) + middle ({middle_len}) + suffix ({len(suffix)}) "
+                     f"tokens exceed the {num_slots} reply slots; raise max_new_tokens")
+  tokens_L = np.full(num_slots, pad_id, np.int32)
+  mask_L = np.zeros(num_slots, bool)
+  tokens_L[:len(prefix)], mask_L[:len(prefix)] = prefix, True
+  tokens_L[end - len(suffix):end], mask_L[end - len(suffix):end] = suffix, True
+  return tokens_L, mask_L
+
+
+def infill(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_BxP,
+           prompt_valid_BxP, prefix_ids, suffix_ids, middle_len: int, rng=None) -> dict:
+  """Generate the middle between a prefix and a suffix (the same for every row) after each
+  prompt: `generate` with `infill_slots` fixed; jitted for these configs. The returned tokens
+  hold the prefix, the middle (`tokens[:, len(prefix):len(prefix) + middle_len]`), the
+  suffix unchanged, then whatever the reply ends with."""
+  tokens_L, mask_L = infill_slots(prefix_ids, suffix_ids, middle_len,
+                                  num_canvases(model_cfg, sampler_cfg) * model_cfg.canvas_length,
+                                  model_cfg.pad_token_id)
+  b = np.asarray(prompt_BxP).shape[0]
+  fn = make_generate_fn(model_cfg, sampler_cfg)
+  return fn(params, prompt_BxP, prompt_valid_BxP, jax.random.PRNGKey(0) if rng is None else rng,
+            np.repeat(tokens_L[None], b, 0), np.repeat(mask_L[None], b, 0))
