@@ -164,7 +164,9 @@ def test_generate_in_batches_warmup_is_one_untimed_extra_call():
     evaluation.time = orig
   assert len(stub.calls) == 1 + 3
   assert [int(x) for x in stub.calls[0][0][:, 0]] == [1, 2]  # warmup: the first batch
-  assert seconds == fake_seconds(3)  # the warmup is not timed
+  # The warmup reads the clock twice (ticks 0, 1: its cold seconds for `timing`) and is not in
+  # `seconds`: batch b reads ticks 2b+2 and 2b+3, so it takes 4b + 5 fake seconds.
+  assert seconds == sum(4 * b + 5 for b in range(3))
 
 
 def test_generate_in_batches_settle_steps_and_trajectory_callback_see_real_rows_only():
@@ -395,6 +397,12 @@ def test_evaluate_merges_task_and_sampler_metrics_over_padded_batches():
               # The stub's Sudoku trajectory has one canvas whose argmax never changes: every
               # row settles at step 1.
               settle_steps_per_canvas=1.0, num_examples=n)
+  # Latency (no warmup): batch 0 (1 fake second) is the cold call; batches 1 and 2 (5 and 9 s)
+  # are warm, with the real rows' tokens (rows 4-6, then 7) and each call's most canvases
+  # (rows 4-6: 3; row 7: 2).
+  warm_tokens = sum(row_stats(i)["num_tokens"] for i in (4, 5, 6, 7))
+  want.update(cold_seconds=1.0, warm_calls=2, latency_batch_size=3, warm_seconds=7.0,
+              seconds_per_canvas=14.0 / 5, tokens_per_second_warm=warm_tokens / 14.0)
   profile = metrics.pop("step_profile")
   assert sorted(metrics) == sorted(want)
   for key, value in want.items():
