@@ -28,4 +28,9 @@ def test_smoke_run_writes_every_section(tmp_path):
   # (c) 32 tokens = 2 canvases of 16 at the fixed 2 steps each, never stopped early.
   generate = next(r for r in rows if r["section"] == "c")
   assert generate["note"].startswith("4 decoder passes (2/canvas), 1 commits"), generate
+  # eval.py's latency fields: warm after a cold (compiling) call, 32 tokens over 2 canvases.
+  assert generate["warm_seconds"] < generate["cold_seconds"]
+  assert generate["seconds_per_canvas"] == generate["warm_seconds"] / 2
+  assert generate["tokens_per_second_warm"] == 32 / generate["warm_seconds"]
+  assert report["device"]["jax"] and report["device"]["cpu"]
   assert any("QLoRA (int4 base)" in r["measurement"] for r in rows if r["section"] == "d")
