@@ -138,9 +138,8 @@ def sample_text():
   if int(prompts.prompt_NxP.max()) >= model_cfg.vocab_size:
     raise cli.UserError(f"the tokenizer in {path} gives id {int(prompts.prompt_NxP.max())}, "
                         f"outside the model's vocabulary of {model_cfg.vocab_size}")
-  stops = sampler.stop_ids(model_cfg, defaults.replace(stop_token_ids=task.stop_token_ids))
-  sampler_cfg = defaults.replace(max_new_tokens=max_new, stop_token_ids=stops,
-                                 record_trajectory=bool(_TRACE.value))
+  sampler_cfg = defaults.with_stops(task.stop_token_ids).replace(
+      max_new_tokens=max_new, record_trajectory=bool(_TRACE.value))
 
   args = (prompts.prompt_NxP, prompts.valid_NxP, jax.random.PRNGKey(_SEED.value))
   if infill is not None:
