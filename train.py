@@ -15,7 +15,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from diffgemma import cli
+from diffgemma.runs import distributed
 
+distributed.define_flags()  # --distributed, --coordinator_address, --num_processes, ...
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/NAME.py, or just NAME.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, config and logs.")
 _INIT_FROM = flags.DEFINE_string(
@@ -28,9 +30,6 @@ _DRY_RUN = flags.DEFINE_bool(
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
     "dry_run_devices", None, "Devices to simulate on the CPU for --dry_run (default: the "
     "product of the config's fixed sharding axes).")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Call jax.distributed.initialize() first (one process per host; "
-    "the coordinator is found from the cluster environment: SLURM, TPU, or JAX_COORDINATOR_*).")
 
 
 def simulate_devices(config) -> None:
@@ -55,10 +54,7 @@ def main(argv):
     simulate_devices(_CONFIG.value)
   elif not _WORKDIR.value:
     raise cli.UserError("--workdir is required, e.g. --workdir=/tmp/sudoku")
-  import jax
-
-  if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+  distributed.initialize_from_flags()
   from diffgemma.training import memory_plan, loop  # after flag parsing, so bad flags fail fast
 
   if _DRY_RUN.value:
@@ -68,6 +64,9 @@ def main(argv):
   # The keys set on the command line: on resume, only they can change an --init_from run's
   # architecture (see resume_config.reconcile).
   overridden = set(config_flags.get_override_values(flags.FLAGS["config"]))
+  distributed.check_same_run(_CONFIG.value.to_dict(), {
+      "workdir": _WORKDIR.value, "init_from": _INIT_FROM.value,
+      "config.*": sorted(overridden)})  # the keys set on the command line
   loop.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value,
                    overridden=overridden)
 

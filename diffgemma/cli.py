@@ -57,6 +57,10 @@ def load_named_config(name: str):
 
 def fail(message: str, code: int = 2):
   print(f"error: {message}", file=sys.stderr)
+  from diffgemma.runs import distributed  # local: a leaf for flag parsing
+
+  if distributed.is_multi_process():
+    distributed.exit_now(code)  # the other processes learn it; no shutdown barrier
   sys.exit(code)
 
 
@@ -192,7 +196,7 @@ def run(main, argv=None, sections: tuple[str, ...] = ()):
   # local: keep flag parsing light
   from diffgemma.io import hf_weights, safetensors_dir, tokenizer
   from diffgemma.model.kernels import platform
-  from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
+  from diffgemma.runs import checkpointing, distributed, resume_config, guard, workdir_lock
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv), sections)
   quiet_library_logs()
@@ -202,7 +206,12 @@ def run(main, argv=None, sections: tuple[str, ...] = ()):
                  workdir_lock.WorkdirLockError, resume_config.ResumeConfigError,
                  guard.RunFailure, platform.KernelPlatformError)
   try:
-    main(argv)
+    try:
+      main(argv)
+    except Exception:
+      if distributed.is_multi_process():  # a peer gone mid-collective: the watchdog names it
+        distributed.wait_for_lost()
+      raise
   except user_errors as e:
     _quiet_exit()
     fail(errors.one_line(e))
@@ -211,3 +220,10 @@ def run(main, argv=None, sections: tuple[str, ...] = ()):
   except KeyboardInterrupt:
     _quiet_exit()
     fail("interrupted", code=130)
+  except BaseException:
+    if not distributed.is_multi_process():
+      raise
+    import traceback
+
+    traceback.print_exc()
+    distributed.exit_now(1)

@@ -52,10 +52,14 @@ class SummaryWriter:
   write_text(step, tag, markdown)   text (TensorBoard renders it as markdown)
   """
 
-  def __init__(self, logdir: str):
-    self._writer = EventFileWriter(logdir)
+  def __init__(self, logdir: str, enabled: bool = True):
+    """`enabled=False` writes nothing (e.g. every process but the first of a multi-process
+    run)."""
+    self._writer = EventFileWriter(logdir) if enabled else None
 
   def _add(self, step: int, summary) -> None:
+    if self._writer is None:
+      return
     self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
                                            summary=summary))
 
@@ -70,8 +74,10 @@ class SummaryWriter:
     self._add(step, text_summary.text_pb(tag, text))
 
   def flush(self) -> None:
-    self._writer.flush()
+    if self._writer is not None:
+      self._writer.flush()
 
   def close(self) -> None:
-    self._writer.close()
+    if self._writer is not None:
+      self._writer.close()
 

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
+from diffgemma.runs import distributed
+
 DAMAGED_DIR = "damaged_checkpoints"
 CONFIG_FILE = "config.json"
 # Characters of a library error message kept in a one-line notice.
@@ -92,6 +94,9 @@ def write_text_atomic(path: str, text: str) -> None:
 
 
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Write config.json (process 0 of a multi-process run; the others run the same config)."""
+  if not distributed.primary():
+    return
   os.makedirs(workdir, exist_ok=True)
   write_text_atomic(os.path.join(workdir, CONFIG_FILE), config.to_json(indent=2))
 
@@ -393,7 +398,7 @@ def restore_latest(workdir: str, abstract_state=None, move_damaged: bool = False
       continue
     for bad, reason in failed:
       log(f"warning: checkpoint step {bad} in {directory} cannot be read ({reason})")
-      if move_damaged:
+      if move_damaged and distributed.primary():  # one process moves, the others skip too
         log(f"moved damaged checkpoint step {bad} to {move_aside(workdir, bad)}")
     if failed:
       log(f"using checkpoint step {step}, the newest readable one")

@@ -25,6 +25,8 @@ import platform
 import subprocess
 import sys
 
+from diffgemma.runs import distributed
+
 RUN_INFO = "run_info.json"
 NUM_TRAIN_STEPS, MAX_TRAIN_MINUTES, STOP_AT = "num_train_steps", "max_train_minutes", "stop_at"
 FINISHED_REASONS = (NUM_TRAIN_STEPS, MAX_TRAIN_MINUTES)
@@ -133,11 +135,6 @@ def provenance(argv: list[str] | None = None) -> dict:
           "pid": os.getpid()}
 
 
-def _primary() -> bool:
-  jax = sys.modules.get("jax")
-  return jax is None or jax.process_index() == 0
-
-
 def _path(workdir: str) -> str:
   return os.path.join(workdir, RUN_INFO)
 
@@ -167,7 +164,7 @@ def _save(workdir: str, info: dict) -> None:
 def record_start(workdir: str, start_step: int, argv: list[str] | None = None) -> None:
   """Append this invocation (its `provenance()` and the step it starts from) to run_info.json.
   Only process 0 of a multi-host run writes."""
-  if not _primary():
+  if not distributed.primary():
     return
   info = load_run_info(workdir)
   info["invocations"].append({**provenance(argv), "start_step": int(start_step)})
@@ -184,7 +181,7 @@ def stop_reason(step: int, num_train_steps: int, timed_out: bool) -> str:
 def record_end(workdir: str, step: int, reason: str) -> None:
   """Mark the last invocation as ended at `step` for `reason` (after its final checkpoint is
   written); only process 0 writes."""
-  if not _primary():
+  if not distributed.primary():
     return
   info = load_run_info(workdir)
   if not info["invocations"]:  # a loop that did not record its start: record it now

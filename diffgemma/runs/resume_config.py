@@ -190,8 +190,10 @@ def history(workdir: str) -> list[dict]:
 
 def record(workdir: str, step: int, changes: dict[str, list]) -> None:
   """Append {step, time, changes} to config_history.json (atomically, like config.json)."""
-  from diffgemma.runs import checkpointing  # local: keep `reconcile` importable without orbax
+  from diffgemma.runs import checkpointing, distributed  # local: `reconcile` needs no orbax
 
+  if not distributed.primary():  # a multi-process run's files are process 0's
+    return
   entries = history(workdir) + [{
       "step": int(step),
       "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -26,6 +26,8 @@ import socket
 import sys
 from typing import Callable, Iterator
 
+from diffgemma.runs import distributed
+
 LOCK_FILE = ".lock"
 
 
@@ -121,10 +123,39 @@ def hold(workdir: str, enabled: bool = True,
          log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Iterator[None]:
   """Hold the workdir's lock for the body (creating the workdir); WorkdirBusyError if taken.
 
-  `enabled=False` (e.g. every process but the first of a multi-host run) does nothing."""
+  In a multi-process run, process 0 holds it and every process learns the outcome: when the
+  workdir is busy, each raises the same one-line error. `enabled=False` does nothing."""
   if not enabled:
     yield
     return
+  if distributed.is_multi_process():
+    with _hold_for_all(workdir, log):
+      yield
+    return
+  with _hold(workdir, log):
+    yield
+
+
+@contextlib.contextmanager
+def _hold_for_all(workdir: str, log) -> Iterator[None]:
+  """Process 0 takes the lock; its outcome ("" or the error line) is every process's."""
+  with contextlib.ExitStack() as stack:
+    def take() -> str:
+      try:
+        stack.enter_context(_hold(workdir, log))
+      except WorkdirLockError as e:
+        return f"{type(e).__name__}:{e}"
+      return ""
+
+    outcome = distributed.agree("workdir_lock", take)
+    if outcome:
+      kind, _, message = outcome.partition(":")
+      raise (WorkdirBusyError if kind == WorkdirBusyError.__name__ else WorkdirLockError)(message)
+    yield
+
+
+@contextlib.contextmanager
+def _hold(workdir: str, log) -> Iterator[None]:
   path = lock_path(workdir)
   try:
     os.makedirs(workdir, exist_ok=True)

@@ -22,6 +22,7 @@ from diffgemma.io.tb_writer import SummaryWriter
 from diffgemma.model import lora, sharding
 from diffgemma.runs import (
   checkpointing,
+  distributed,
   provenance,
   resume_config,
   run_config,
@@ -203,7 +204,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
   check_init_from(init_from, workdir)
   config, run, task, start_step, changes = prepare_config(config, workdir, init_from,
                                                           overridden=overridden)
-  with workdir_lock.hold(workdir, enabled=jax.process_index() == 0):
+  with workdir_lock.hold(workdir):  # every process of a multi-process run: process 0's lock
     return _train(config, run, task, workdir, start_step, changes, init_from, stop_at)
 
 
@@ -250,7 +251,7 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   step_fn = update_step.make_update_step(
       setup, stage.loss_fn, state_sh, frozen_sh,
       update_step.batch_shardings(setup, stage.batch_shapes()), stage.update_stream)
-  writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+  writer = SummaryWriter(os.path.join(workdir, "tensorboard"), enabled=distributed.primary())
   eval_cfg = run.eval
   eval_prompts = task.eval_prompts() if eval_cfg.every_steps > 0 else None
   eval_sampler_cfg = run.sampler.with_stops(task.stop_token_ids)
@@ -271,7 +272,7 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   last, host_metrics = {}, {}
   window_start, window_steps = time.perf_counter(), 0
   bar = tqdm(total=train_cfg.num_train_steps, initial=start_step, desc=stage.name, unit="step",
-             dynamic_ncols=True)
+             dynamic_ncols=True, disable=not distributed.primary())
   step, timed_out = start_step, False
   try:
     while step < train_cfg.num_train_steps:

@@ -1,0 +1,385 @@
+"""Many hosts: one process per host (or per group of devices) on JAX's multi-controller runtime.
+
+  python train.py --distributed ...          # the cluster says who is who (SLURM, Open MPI,
+                                              # Cloud TPU, GKE; or JAX_COORDINATOR_ADDRESS ...)
+  python train.py --coordinator_address=HOST:PORT --num_processes=N --process_id=I ...
+      (or the environment: DIFFGEMMA_COORDINATOR, DIFFGEMMA_NUM_PROCESSES, DIFFGEMMA_PROCESS_ID)
+  python scripts/launch_local.py --num_processes=2 -- train.py ...   # N processes on this machine
+
+`initialize` (from the entry scripts, before anything touches a device) starts the runtime; from
+then on `jax.devices()` is the global device set and the mesh, sharding and checkpoint code is
+the single-host code. On CPUs the collectives go through gloo. What else this module owns:
+
+  one voice   processes other than 0 print nothing on stdout (their stderr stays: an error
+              line is every process's own); the progress bar, TensorBoard and the run's files
+              are process 0's (`primary`); checkpoints are orbax's (each process writes its
+              shards, process 0 commits);
+  same run    `check_same_run`: every process runs the same config, flags and code, else one
+              line on every process before any step;
+  agree       `agree`: a value decided by process 0 (e.g. the workdir lock's outcome) learned by
+              every process;
+  watchdog    each process beats in the coordinator's key-value store; when one stops beating
+              (killed, crashed, its machine gone) for `heartbeat_timeout_s`, every other process
+              prints one line naming it and exits with LOST_EXIT_CODE: none hangs on a collective.
+              A rerun of the same command resumes from the last complete checkpoint.
+
+The key-value store is the one `jax.distributed` starts on process 0 (JAX's own client; its
+Python handle is `jax._src.distributed.global_state.client`, used here and nowhere else).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+from absl import flags
+
+from diffgemma import errors
+
+ENV_COORDINATOR = "DIFFGEMMA_COORDINATOR"
+ENV_NUM_PROCESSES = "DIFFGEMMA_NUM_PROCESSES"
+ENV_PROCESS_ID = "DIFFGEMMA_PROCESS_ID"
+# Exit status of a process that stopped because another one was lost (cli: 2 user error,
+# 3 a run stopped on purpose, 130 interrupted).
+LOST_EXIT_CODE = 4
+HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30
+# JAX's own heartbeat (its end is an abort with a C++ stack trace) waits this many times ours, so
+# the watchdog's one line comes first.
+JAX_HEARTBEAT_FACTOR = 4
+# How long a process waits for the others at start-up (all of them must have started).
+INIT_TIMEOUT_S = 300
+_KEY = "diffgemma"  # the key-value store's namespace
+DONE, FAILED = "done", "failed"  # a heartbeat's last value
+# On its own error, process 0 (whose store the others read) waits this long for them to end.
+SETTLE_S = 5.0
+
+
+
+def define_flags() -> None:
+  """The entry scripts' flags of a multi-process run (train.py, eval.py, sample.py call this
+  at import; a second call does nothing)."""
+  if "distributed" in flags.FLAGS:
+    return
+  flags.DEFINE_bool(
+      "distributed", False, "Start JAX's multi-controller runtime with the cluster's own "
+      "settings (SLURM, Open MPI, Cloud TPU, GKE, or JAX_COORDINATOR_ADDRESS etc.); one "
+      "process per host. See docs/scale.md, 'Many hosts'.")
+  flags.DEFINE_string(
+      "coordinator_address", None, f"HOST:PORT of process 0 (env {ENV_COORDINATOR}); with "
+      "--num_processes and --process_id, a multi-process run without cluster auto-detection.")
+  flags.DEFINE_integer(
+      "num_processes", None, f"Processes of the run, all hosts together (env "
+      f"{ENV_NUM_PROCESSES}).")
+  flags.DEFINE_integer(
+      "process_id", None, f"This process's index, 0..num_processes-1 (env {ENV_PROCESS_ID}).")
+  flags.DEFINE_integer(
+      "heartbeat_timeout_s", DEFAULT_HEARTBEAT_TIMEOUT_S, "A multi-process run stops (every "
+      "process, with one line naming the lost one) when a process has not been heard from "
+      "for this many seconds.")
+
+
+def _jax():
+  import jax  # local: importing this module (flag definitions) must not start JAX
+
+  return jax
+
+
+def settings() -> dict | None:
+  """{coordinator_address, num_processes, process_id} from the flags (`define_flags`), else the
+  environment; {} for --distributed alone (cluster auto-detection); None for a single-process
+  run. A partial explicit setting is a one-line ConfigError."""
+  env, values = os.environ, flags.FLAGS
+  explicit = {
+      "coordinator_address": values.coordinator_address or env.get(ENV_COORDINATOR) or None,
+      "num_processes": values.num_processes if values.num_processes is not None
+                       else _int_env(ENV_NUM_PROCESSES),
+      "process_id": values.process_id if values.process_id is not None
+                    else _int_env(ENV_PROCESS_ID)}
+  given = {k: v for k, v in explicit.items() if v is not None}
+  if not given:
+    return {} if values.distributed else None
+  if len(given) < len(explicit):
+    missing = [f"--{k}" for k in explicit if k not in given]
+    raise errors.ConfigError(f"a multi-process run needs --coordinator_address, "
+                             f"--num_processes and --process_id; missing {', '.join(missing)}")
+  if given["num_processes"] < 1 or not 0 <= given["process_id"] < given["num_processes"]:
+    raise errors.ConfigError(f"--process_id={given['process_id']} is not in 0.."
+                             f"{given['num_processes'] - 1} (--num_processes="
+                             f"{given['num_processes']})")
+  if ":" not in given["coordinator_address"]:
+    raise errors.ConfigError(f"--coordinator_address={given['coordinator_address']!r}: write "
+                             "HOST:PORT (process 0's host)")
+  return given
+
+
+def _int_env(name: str) -> int | None:
+  value = os.environ.get(name)
+  if value in (None, ""):
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise errors.ConfigError(f"{name}={value!r} is not an integer") from None
+
+
+def initialize_from_flags() -> bool:
+  """Start the multi-process runtime if the flags or the environment ask for it (before any
+  device is touched); True if this is a multi-process run."""
+  given = settings()
+  if given is None:
+    return False
+  initialize(heartbeat_timeout_s=flags.FLAGS.heartbeat_timeout_s, **given)
+  return _jax().process_count() > 1
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None,
+               heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+  """jax.distributed.initialize (None everywhere: the cluster's auto-detection), gloo
+  collectives on CPUs, one voice, and the watchdog."""
+  jax = _jax()
+  if heartbeat_timeout_s < 2 * HEARTBEAT_INTERVAL_S:
+    raise errors.ConfigError(f"--heartbeat_timeout_s={heartbeat_timeout_s} is too short; use "
+                             f">= {int(2 * HEARTBEAT_INTERVAL_S)}")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  try:
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               initialization_timeout=INIT_TIMEOUT_S,
+                               heartbeat_timeout_seconds=JAX_HEARTBEAT_FACTOR * heartbeat_timeout_s)
+  except (RuntimeError, ValueError) as e:
+    where = coordinator_address or "the cluster's coordinator"
+    raise errors.ConfigError(f"could not start the multi-process runtime ({where}): "
+                             f"{errors.one_line(e)}") from None
+  if jax.process_count() == 1:
+    return
+  if jax.process_index() != 0:
+    _silence_stdout()
+  _Watchdog(heartbeat_timeout_s).start()
+
+
+def _silence_stdout() -> None:
+  """One voice: this process's prints go nowhere (stderr stays; progress bars ask `primary`)."""
+  sys.stdout.flush()
+  sys.stdout = open(os.devnull, "w")
+
+
+def is_multi_process() -> bool:
+  jax = sys.modules.get("jax")
+  return jax is not None and jax.process_count() > 1
+
+
+def primary() -> bool:
+  """Whether this process writes the run's files (process 0; the only one of a 1-process run)."""
+  jax = sys.modules.get("jax")
+  return jax is None or jax.process_index() == 0
+
+
+def _client():
+  from jax._src import distributed as jax_distributed  # JAX's key-value store client
+
+  return jax_distributed.global_state.client
+
+
+def _describe(index: int) -> str:
+  jax = _jax()
+  name = f"process {index} of {jax.process_count()}"
+  return name + " (the coordinator)" if index == 0 else name
+
+
+# ----------------------------------------------------------------------------- agreement
+
+_sequence = {"n": 0}
+
+
+def agree(name: str, decide: Callable[[], str]) -> str:
+  """`decide()` on process 0; every process returns its result (a string). Every process must
+  call `agree` in the same order (the calls are numbered). Single process: `decide()`."""
+  if not is_multi_process():
+    return decide()
+  _sequence["n"] += 1
+  key = f"{_KEY}/agree/{_sequence['n']}/{name}"
+  client = _client()
+  if _jax().process_index() == 0:
+    value = decide()
+    client.key_value_set(key, value)
+    return value
+  return client.blocking_key_value_get(key, INIT_TIMEOUT_S * 1000)
+
+
+def code_fingerprint() -> str:
+  """sha256 of the package's Python sources and the entry scripts (paths and contents)."""
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(package)
+  digest = hashlib.sha256()
+  paths = [os.path.join(root, name) for name in ("train.py", "eval.py", "sample.py")]
+  for directory, dirs, files in os.walk(package):
+    dirs.sort()
+    paths += [os.path.join(directory, f) for f in sorted(files) if f.endswith(".py")]
+  for path in paths:
+    if os.path.isfile(path):
+      digest.update(os.path.relpath(path, root).encode() + b"\0")
+      with open(path, "rb") as f:
+        digest.update(f.read() + b"\0")
+  return digest.hexdigest()
+
+
+def _flat(tree, prefix=""):
+  if isinstance(tree, dict):
+    out = {}
+    for k, v in tree.items():
+      out.update(_flat(v, f"{prefix}{k}."))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def check_same_run(config: dict, run_flags: dict) -> None:
+  """Every process runs the same `config` (a dict), the same `run_flags` ({name: value}, the
+  flags that shape the run) and the same code; else every process raises the same one-line
+  ConfigError naming the first process that differs from process 0, before any step."""
+  if not is_multi_process():
+    return
+  jax = _jax()
+  mine = json.dumps({"config": config, "flags": run_flags, "code": code_fingerprint()},
+                    sort_keys=True, default=str)
+  client = _client()
+  client.key_value_set(f"{_KEY}/run/{jax.process_index()}", mine)
+  theirs = [client.blocking_key_value_get(f"{_KEY}/run/{i}", INIT_TIMEOUT_S * 1000)
+            for i in range(jax.process_count())]
+  first = json.loads(theirs[0])
+  for i, text in enumerate(theirs[1:], start=1):
+    if text == theirs[0]:
+      continue
+    other = json.loads(text)
+    if other["code"] != first["code"]:
+      what = "different code (diffgemma sources)"
+    else:
+      a = {**_flat(first["config"]), **{f"--{k}": v for k, v in first["flags"].items()}}
+      b = {**_flat(other["config"]), **{f"--{k}": v for k, v in other["flags"].items()}}
+      unset = "<unset>"
+      keys = sorted((k for k in a.keys() | b.keys() if a.get(k, unset) != b.get(k, unset)),
+                    key=lambda k: (k.startswith("--"), k))  # config keys first
+      shown = ", ".join(f"{k}={b.get(k, unset)!r} vs {a.get(k, unset)!r}" for k in keys[:3])
+      what = f"a different config ({shown}{', ...' if len(keys) > 3 else ''})"
+    raise errors.ConfigError(f"process {i} runs {what} than process 0; every process must run "
+                             "the same command on the same code")
+
+
+# ----------------------------------------------------------------------------- watchdog
+
+
+class _Watchdog(threading.Thread):
+  """Beats in the key-value store every HEARTBEAT_INTERVAL_S and watches the others' beats."""
+
+  def __init__(self, timeout_s: float):
+    super().__init__(daemon=True, name="diffgemma-watchdog")
+    jax = _jax()
+    self.timeout_s = timeout_s
+    self.index, self.count = jax.process_index(), jax.process_count()
+    self.client = _client()
+    self.stopping = False  # this process is ending on its own error: report nothing else
+    atexit.register(self.finish)  # runs before jax's own shutdown (registered earlier)
+    _watchdog["current"] = self
+
+  def finish(self, state: str = DONE) -> None:
+    """This process ended (DONE: normally, FAILED: with an error line of its own); the others
+    do not report a DONE process as lost."""
+    try:
+      self.client.key_value_set(self._key(self.index), state, allow_overwrite=True)
+    except Exception:  # noqa: BLE001 -- the coordinator may be gone already
+      pass
+
+  def _key(self, index: int) -> str:
+    return f"{_KEY}/heartbeat/{index}"
+
+  def run(self) -> None:
+    beat, seen = 0, {}
+    while True:
+      beat += 1
+      now = time.monotonic()
+      try:
+        self.client.key_value_set(self._key(self.index), str(beat), allow_overwrite=True)
+      except Exception as e:  # noqa: BLE001 -- the coordinator's store is unreachable
+        lost(f"{_describe(0)} is unreachable ({errors.one_line(e)[:120]})")
+      for other in range(self.count):
+        if other == self.index:
+          continue
+        try:
+          value = self.client.key_value_try_get(self._key(other))
+        except Exception as e:  # noqa: BLE001
+          if "NOT_FOUND" not in str(e):
+            lost(f"{_describe(0)} is unreachable ({errors.one_line(e)[:120]})")
+          value = None  # it has not beaten yet
+        if value == DONE:
+          continue
+        if value == FAILED:
+          lost(f"{_describe(other)} stopped with an error (its own line says which)")
+        last = seen.get(other)
+        if last is None or last[0] != value:
+          seen[other] = (value, now)
+        elif now - last[1] > self.timeout_s:
+          lost(f"{_describe(other)} is gone: not heard from for {self.timeout_s} s (killed, "
+               "crashed, or its host is down)")
+      time.sleep(HEARTBEAT_INTERVAL_S)
+
+  def others_settled(self) -> bool:
+    """Whether every other process has ended (done or failed)."""
+    for other in range(self.count):
+      if other == self.index:
+        continue
+      try:
+        if self.client.key_value_try_get(self._key(other)) not in (DONE, FAILED):
+          return False
+      except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+_watchdog: dict = {"current": None}
+_lost = threading.Lock()
+
+
+def lost(reason: str) -> None:
+  """Print the one line and end this process now (no shutdown barrier: it would wait for the
+  lost process); nothing while this process is ending on its own error."""
+  watchdog = _watchdog["current"]
+  if watchdog is not None and watchdog.stopping:
+    return
+  with _lost:
+    watchdog.finish(FAILED)  # a process waiting for this one to settle need not wait
+    sys.stdout.flush()
+    print(f"error: {reason}; stopping process {_jax().process_index()}. Rerun the same "
+          "command to resume from the last complete checkpoint", file=sys.stderr, flush=True)
+    os._exit(LOST_EXIT_CODE)
+
+
+def exit_now(code: int) -> None:
+  """End a multi-process run's process after its own error line: the others learn it failed
+  (and stop with one line), and JAX's shutdown barrier, which would wait for processes that may
+  never come, is skipped. Process 0 keeps the key-value store up until the others have read it
+  (at most SETTLE_S)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  watchdog = _watchdog["current"]
+  if watchdog is not None:
+    watchdog.stopping = True
+    watchdog.finish(FAILED)
+    deadline = time.monotonic() + SETTLE_S
+    while watchdog.index == 0 and time.monotonic() < deadline and not watchdog.others_settled():
+      time.sleep(HEARTBEAT_INTERVAL_S / 4)
+  os._exit(code)
+
+
+def wait_for_lost() -> None:
+  """After an unexpected error of a multi-process run (e.g. a collective that failed because a
+  peer went away): give the watchdog time to name the lost process (it ends this process then).
+  Returns if none is found lost within the heartbeat timeout: the error is this process's own."""
+  watchdog = _watchdog["current"]
+  if watchdog is not None:
+    time.sleep(watchdog.timeout_s + 3 * HEARTBEAT_INTERVAL_S)
