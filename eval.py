@@ -34,7 +34,9 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from diffgemma import cli
+from diffgemma.runs import distributed
 
+distributed.define_flags()  # --distributed, --coordinator_address, --num_processes, ...
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (config + checkpoints).")
 _INIT_FROM = flags.DEFINE_string(
     "init_from", None, "Instead of --workdir: a model checkpoint dir (transformers, orbax or a "
@@ -90,6 +92,8 @@ def main(argv):
     raise cli.UserError(f"--data {_DATA.value!r} is a directory; pass a CSV or JSONL file")
   if not os.path.isfile(_DATA.value):
     raise cli.UserError(f"--data file {_DATA.value!r} not found")
+  distributed.initialize_from_flags()  # every process evaluates every example; 0 writes
+  distributed.check_same_run({}, {"argv": distributed.shared_argv()})
   from diffgemma.runs import loaded, provenance
   from diffgemma.sampling import evaluation, sampler
 
@@ -130,7 +134,8 @@ def main(argv):
   if points:
     run_sweep(run, prompts, batch, points, sampler_overrides, provenance.device_info())
     return
-  with tqdm(total=len(prompts), desc="eval", unit="example") as bar:
+  with tqdm(total=len(prompts), desc="eval", unit="example",
+            disable=not distributed.primary()) as bar:
     metrics, predictions = evaluation.evaluate(
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
         progress=bar, warmup=True)
@@ -141,7 +146,7 @@ def main(argv):
   if path is None and _WORKDIR.value:
     name = os.path.splitext(os.path.basename(_DATA.value))[0]
     path = os.path.join(_WORKDIR.value, "predictions", f"{name}-step{run.step}.jsonl")
-  if path:
+  if path and distributed.primary():
     write_jsonl(path, predictions)
     metrics["predictions"] = os.path.abspath(path)
   if "step_profile" in metrics:
@@ -174,10 +179,10 @@ def run_sweep(run, prompts, batch: int, points, sampler_overrides: dict, device:
   from diffgemma.sampling import evaluation
   from diffgemma.tools import compare
 
-  os.makedirs(_OUT.value, exist_ok=True)
   results = []
   for key, value, sampler_cfg in points:
-    with tqdm(total=len(prompts), desc=f"{key}={value}", unit="example") as bar:
+    with tqdm(total=len(prompts), desc=f"{key}={value}", unit="example",
+              disable=not distributed.primary()) as bar:
       metrics, _ = evaluation.evaluate(run.task, run.params, run.model_cfg, sampler_cfg, prompts,
                                        batch, seed=_SEED.value, progress=bar, warmup=True)
     metrics.pop("step_profile", None)
@@ -188,6 +193,9 @@ def run_sweep(run, prompts, batch: int, points, sampler_overrides: dict, device:
             f"{os.path.abspath(_DATA.value)}: {len(prompts)} examples, seed {_SEED.value}, batch "
             f"{min(batch, len(prompts))}; base overrides {sampler_overrides or 'none'}; "
             f"{provenance.describe_device(device)}")
+  if not distributed.primary():  # every process evaluated the same points; process 0 writes
+    return
+  os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, "sweep.md"), "w", encoding="utf-8") as f:
     f.write(header + "\n\n" + table + "\n")
   width, height = compare.plot_sweep(results, metric, os.path.join(_OUT.value, "sweep.png"))

@@ -26,7 +26,9 @@ import time
 from absl import flags
 
 from diffgemma import cli
+from diffgemma.runs import distributed
 
+distributed.define_flags()  # --distributed, --coordinator_address, --num_processes, ...
 _INIT_FROM = flags.DEFINE_string(
     "init_from", None, "Text mode: model checkpoint directory (transformers DiffusionGemma, or "
     "scripts/convert_checkpoint.py output) holding tokenizer.json or tokenizer.model.")
@@ -75,6 +77,8 @@ def main(argv):
       raise cli.UserError(str(e)) from None
   if _WARM_RUNS.value < 0:
     raise cli.UserError(f"--warm_runs must be >= 0 (got {_WARM_RUNS.value})")
+  distributed.initialize_from_flags()  # every process samples the same; 0 prints and writes
+  distributed.check_same_run({}, {"argv": distributed.shared_argv()})
   if _WORKDIR.value is not None:
     sample_run()
   elif _INIT_FROM.value is not None:
@@ -140,6 +144,7 @@ def sample_text():
                         f"outside the model's vocabulary of {model_cfg.vocab_size}")
   sampler_cfg = defaults.with_stops(task.stop_token_ids).replace(
       max_new_tokens=max_new, record_trajectory=bool(_TRACE.value))
+  stops = sampler.stop_ids(model_cfg, sampler_cfg)
 
   args = (prompts.prompt_NxP, prompts.valid_NxP, jax.random.PRNGKey(_SEED.value))
   if infill is not None:
@@ -165,7 +170,7 @@ def sample_text():
         f"{float(out['steps_per_canvas'][0]):.1f} steps per canvas; "
         + latency_summary(timing, num_tokens, canvases) + "; "
         + provenance.describe_device(provenance.device_info()) + "]")
-  if _TRACE.value:
+  if _TRACE.value and distributed.primary():
     rows = task.write_trace(_TRACE.value, prompts, out["trajectory"])
     print(f"trace: {_TRACE.value} ({rows} denoising steps)")
 
@@ -309,7 +314,7 @@ def sample_run():
   verdict = run.task.verdict(prompts, out["tokens"][0])
   if verdict:
     print(verdict)
-  if _TRACE.value:
+  if _TRACE.value and distributed.primary():
     frames = run.task.write_trace(_TRACE.value, prompts, trajectory)
     print(f"trace: {_TRACE.value} ({frames} denoising steps)")
 

@@ -149,6 +149,9 @@ def defined_flags(script: str) -> frozenset[str]:
   names.update(n.lstrip("-") for n in re.findall(r"add_argument\(\s*[\"'](--[\w-]+)[\"']", source))
   if re.search(r"^\s*(from absl import|import absl)", source, re.M):
     names |= ABSL_BUILTINS
+  if "distributed.define_flags()" in source:  # the multi-process flags, defined in one place
+    names |= set(re.findall(r"DEFINE_\w+\(\s*[\"'](\w+)[\"']",
+                            read(os.path.join(ROOT, "diffgemma", "runs", "distributed.py"))))
   return frozenset(names)
 
 
@@ -201,6 +204,11 @@ def commands(text: str):
 def command_problems(script: str, tokens: list[str]) -> list[str]:
   if not os.path.isfile(os.path.join(ROOT, script)):
     return [f"{script}: no such script"]
+  if "--" in tokens:  # a launcher: `-- SCRIPT ARGS` is a command of its own
+    rest = tokens[tokens.index("--") + 1:]
+    inner = (command_problems(rest[0], rest[1:]) if rest and re.fullmatch(SCRIPT, rest[0])
+             else [f"{script} --: no script of the repo follows"])
+    return command_problems(script, tokens[:tokens.index("--")]) + inner
   flags = defined_flags(script)
   problems = []
   config_spec = DEFAULT_CONFIG
@@ -270,6 +278,11 @@ def test_checker_catches_bad_flags():
   assert command_problems("train.py", ["--config.optimizer.no_such_key=1"])
   assert not command_problems("train.py", ["--config=sft_chat:sort", "--config.data.train=a"])
   assert command_problems("train.py", ["--config=no_such_config"])
+  assert not command_problems("train.py", ["--distributed", "--heartbeat_timeout_s=60"])
+  assert not command_problems("scripts/launch_local.py",
+                              ["--num_processes=2", "--", "train.py", "--config=sft_sudoku"])
+  assert command_problems("scripts/launch_local.py", ["--", "train.py", "--no_such_flag=1"])
+  assert command_problems("scripts/launch_local.py", ["--no_such_flag=1", "--", "eval.py"])
   assert named_paths("see `diffgemma/train_loop.py`, configs/NAME.py, benchmarks/RESULTS.md") == {
       "diffgemma/train_loop.py", "benchmarks/RESULTS.md"}
   assert not path_exists("diffgemma/train_loop.py")

@@ -9,6 +9,7 @@ devices) is trained once per module; the runs share the suite's XLA compilation 
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,7 @@ FLAGS = ("--config=tests/tiny_sudoku_config.py", f"--config.num_train_steps={STE
          f"--config.checkpoint_every={EVERY}", f"--config.keep_checkpoints={STEPS}",
          "--config.sharding.fsdp=-1")  # fsdp over every device of the run, however many
 launcher = load_script("launch_local")
+PROGRESS = re.compile(r"^sft: +\d+%")  # process 0's progress bar, on its stderr
 
 
 def env(**extra):
@@ -123,18 +125,14 @@ def test_two_processes_train_like_one_with_two_devices(reference, two_process_ru
   assert invocation["processes"] == 2 and invocation["stop_reason"] == "num_train_steps"
 
 
-def test_checkpoints_move_between_process_counts(reference, two_process_run, tmp_path):
-  """2 processes -> 1 (with 2 devices), and 1 -> 2, resume from step 2 and end where the
-  uninterrupted run ends."""
+def test_a_two_process_checkpoint_resumes_in_one_process(reference, two_process_run, tmp_path):
+  """2 processes -> 1 (with 2 devices): resumed from step EVERY, it ends where the uninterrupted
+  run ends (1 -> 2 is the killed run's story below)."""
   path, _ = two_process_run
   to_one = without_steps_after(path, EVERY, tmp_path / "to_one")
   out = train_one_process(to_one)
   assert f"resumed from step {EVERY}" in out.stdout
   assert_same_state(to_one, reference)
-  to_two = without_steps_after(reference, EVERY, tmp_path / "to_two")
-  out = launch(to_two, 2)
-  assert f"[0] resumed from step {EVERY}" in out.stdout
-  assert_same_state(to_two, reference)
 
 
 def test_a_config_that_differs_between_processes_is_refused(tmp_path):
@@ -153,31 +151,95 @@ def test_a_config_that_differs_between_processes_is_refused(tmp_path):
 
 
 def test_a_killed_process_stops_the_other_and_a_rerun_resumes(reference, tmp_path):
+  """A one-process run's checkpoint continues in 2 processes; one of them is killed (kill -9)
+  mid-run; the other stops within 60 s with one line; a rerun resumes and ends where the
+  uninterrupted run ends."""
+  workdir = without_steps_after(reference, EVERY, tmp_path / "run")
   port = launcher.free_port()
-  workdir = str(tmp_path / "run")
   procs = [start_process(i, 2, port, workdir) for i in range(2)]
   try:
-    first = os.path.join(checkpointing.checkpoint_dir(workdir), str(EVERY))
+    after = os.path.join(checkpointing.checkpoint_dir(workdir), str(2 * EVERY))
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not os.path.isdir(first) and time.monotonic() < deadline:
+    while not os.path.isdir(after) and time.monotonic() < deadline:
       assert procs[1].poll() is None, procs[1].communicate()[1][-2000:]
       time.sleep(0.005)
     os.kill(procs[1].pid, signal.SIGKILL)
     killed = time.monotonic()
-    _, stderr = procs[0].communicate(timeout=60 + 30)
+    stdout, stderr = procs[0].communicate(timeout=60 + 30)
     took = time.monotonic() - killed
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
         p.communicate()
+  assert f"resumed from step {EVERY}" in stdout
   assert took < 60, took
-  lines = [l for l in stderr.splitlines() if l.strip()]
+  lines = [l for l in stderr.splitlines() if l.strip() and not PROGRESS.match(l)]
   assert len(lines) == 1, stderr
   assert lines[0].startswith("error: process 1 of 2 is gone"), lines
   assert procs[0].returncode == 4, procs[0].returncode
   last = checkpointing.latest_step(workdir)
-  assert last is not None and last < STEPS, last  # the kill came mid-run
+  assert 2 * EVERY <= last < STEPS, last  # the kill came mid-run
   out = launch(workdir, 2)
   assert f"[0] resumed from step {last}" in out.stdout
   assert_same_state(workdir, reference)
+
+
+def test_launch_settings_come_from_flags_or_the_environment():
+  from diffgemma import errors
+  from diffgemma.runs import distributed
+
+  env = {"DIFFGEMMA_COORDINATOR": "h0:1234", "DIFFGEMMA_NUM_PROCESSES": "4",
+         "DIFFGEMMA_PROCESS_ID": "3"}
+  assert distributed.settings(env={}) is None  # a single-process run
+  assert distributed.settings(distributed=True, env={}) == {}  # the cluster's auto-detection
+  assert distributed.settings(env=env) == {"coordinator_address": "h0:1234",
+                                           "num_processes": 4, "process_id": 3}
+  assert distributed.settings(process_id=1, env=env)["process_id"] == 1  # a flag wins
+  for bad, needle in (({"DIFFGEMMA_NUM_PROCESSES": "2"}, "missing --coordinator_address"),
+                      ({**env, "DIFFGEMMA_PROCESS_ID": "4"}, "--process_id=4 is not in 0..3"),
+                      ({**env, "DIFFGEMMA_COORDINATOR": "h0"}, "write HOST:PORT"),
+                      ({**env, "DIFFGEMMA_NUM_PROCESSES": "two"}, "is not an integer")):
+    with pytest.raises(errors.ConfigError, match=re.escape(needle)):
+      distributed.settings(env=bad)
+  assert distributed.shared_argv(["--process_id=1", "--config=x"]) == ["--config=x"]
+
+
+def test_launcher_environment_and_exit_status():
+  env = launcher.process_env(1, 2, 3, "cpu", "localhost:5")
+  assert (env["DIFFGEMMA_COORDINATOR"], env["DIFFGEMMA_NUM_PROCESSES"],
+          env["DIFFGEMMA_PROCESS_ID"]) == ("localhost:5", "2", "1")
+  assert env["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=3")
+  assert launcher.process_env(1, 2, 3, "gpu", "h:5")["JAX_LOCAL_DEVICE_IDS"] == "3,4,5"
+  assert launcher.exit_status(-9) == 137 and launcher.exit_status(2) == 2
+
+
+def test_the_launcher_exits_with_the_first_failure_and_prefixes_output(tmp_path):
+  """Process 1 fails at once; process 0 would run for minutes: it is killed after the grace."""
+  script = tmp_path / "child.py"
+  script.write_text("import os, sys, time\n"
+                    "i = int(os.environ['DIFFGEMMA_PROCESS_ID'])\n"
+                    "print('hello from', i, flush=True)\n"
+                    "sys.exit(5) if i == 1 else time.sleep(600)\n")
+  start = time.monotonic()
+  out = subprocess.run([sys.executable, "scripts/launch_local.py", "--num_processes=2",
+                        "--grace_s=1", "--", str(script)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+  assert out.returncode == 5, out.stderr
+  assert time.monotonic() - start < 30
+  assert sorted(out.stdout.splitlines()) == ["[0] hello from 0", "[1] hello from 1"]
+  assert "[launch] killing process 0" in out.stderr
+
+
+def test_a_busy_workdir_is_refused_on_every_process(tmp_path):
+  from diffgemma.runs import workdir_lock
+
+  workdir = str(tmp_path / "run")
+  port = launcher.free_port()
+  with workdir_lock.hold(workdir):  # another trainer (this test) holds the workdir
+    procs = [start_process(i, 2, port, workdir) for i in range(2)]
+    outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
+  for p, (_, stderr) in zip(procs, outs):
+    assert p.returncode == 2, stderr
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: workdir {workdir} is in use"), stderr

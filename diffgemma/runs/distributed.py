@@ -91,20 +91,21 @@ def _jax():
   return jax
 
 
-def settings() -> dict | None:
-  """{coordinator_address, num_processes, process_id} from the flags (`define_flags`), else the
-  environment; {} for --distributed alone (cluster auto-detection); None for a single-process
-  run. A partial explicit setting is a one-line ConfigError."""
-  env, values = os.environ, flags.FLAGS
+def settings(distributed: bool = False, coordinator_address: str | None = None,
+             num_processes: int | None = None, process_id: int | None = None,
+             env=None) -> dict | None:
+  """{coordinator_address, num_processes, process_id} from the arguments (the flags), else the
+  environment `env` (default os.environ); {} for `distributed` alone (the cluster's
+  auto-detection); None for a single-process run. A partial setting is a one-line ConfigError."""
+  env = os.environ if env is None else env
   explicit = {
-      "coordinator_address": values.coordinator_address or env.get(ENV_COORDINATOR) or None,
-      "num_processes": values.num_processes if values.num_processes is not None
-                       else _int_env(ENV_NUM_PROCESSES),
-      "process_id": values.process_id if values.process_id is not None
-                    else _int_env(ENV_PROCESS_ID)}
+      "coordinator_address": coordinator_address or env.get(ENV_COORDINATOR) or None,
+      "num_processes": num_processes if num_processes is not None
+                       else _int_env(env, ENV_NUM_PROCESSES),
+      "process_id": process_id if process_id is not None else _int_env(env, ENV_PROCESS_ID)}
   given = {k: v for k, v in explicit.items() if v is not None}
   if not given:
-    return {} if values.distributed else None
+    return {} if distributed else None
   if len(given) < len(explicit):
     missing = [f"--{k}" for k in explicit if k not in given]
     raise errors.ConfigError(f"a multi-process run needs --coordinator_address, "
@@ -113,14 +114,15 @@ def settings() -> dict | None:
     raise errors.ConfigError(f"--process_id={given['process_id']} is not in 0.."
                              f"{given['num_processes'] - 1} (--num_processes="
                              f"{given['num_processes']})")
-  if ":" not in given["coordinator_address"]:
+  host, _, port = given["coordinator_address"].rpartition(":")
+  if not host or not port.isdigit():
     raise errors.ConfigError(f"--coordinator_address={given['coordinator_address']!r}: write "
                              "HOST:PORT (process 0's host)")
   return given
 
 
-def _int_env(name: str) -> int | None:
-  value = os.environ.get(name)
+def _int_env(env, name: str) -> int | None:
+  value = env.get(name)
   if value in (None, ""):
     return None
   try:
@@ -132,7 +134,9 @@ def _int_env(name: str) -> int | None:
 def initialize_from_flags() -> bool:
   """Start the multi-process runtime if the flags or the environment ask for it (before any
   device is touched); True if this is a multi-process run."""
-  given = settings()
+  values = flags.FLAGS
+  given = settings(values.distributed, values.coordinator_address, values.num_processes,
+                   values.process_id)
   if given is None:
     return False
   initialize(heartbeat_timeout_s=flags.FLAGS.heartbeat_timeout_s, **given)
@@ -237,6 +241,13 @@ def _flat(tree, prefix=""):
       out.update(_flat(v, f"{prefix}{k}."))
     return out
   return {prefix[:-1]: tree}
+
+
+def shared_argv(argv: list[str] | None = None) -> list[str]:
+  """The command line (default sys.argv[1:]) without what differs between the processes of one
+  run by design (--process_id)."""
+  argv = sys.argv[1:] if argv is None else argv
+  return [a for a in argv if not a.startswith(("--process_id=", "-process_id="))]
 
 
 def check_same_run(config: dict, run_flags: dict) -> None:
