@@ -106,7 +106,7 @@ def launch(command: list[str], count: int, devices: int = 1, platform: str = "cp
   signal.signal(signal.SIGINT, forward)
   signal.signal(signal.SIGTERM, forward)
   first_failure, deadline = None, None
-  while any(child.poll() is None for child in children):
+  while [child.poll() for child in children].count(None):  # poll every child, each round
     if first_failure is None:
       failed = [c for c in children if c.returncode not in (None, 0)]
       if failed:
