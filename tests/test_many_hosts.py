@@ -37,20 +37,20 @@ def env(**extra):
   return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
 
 
-def train_one_process(workdir, devices=2, *extra):
+def train_one_process(workdir, devices=2, *extra, base=FLAGS):
   """train.py in one process with `devices` simulated CPU devices."""
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-  out = subprocess.run([sys.executable, "train.py", *FLAGS, f"--workdir={workdir}", *extra],
+  out = subprocess.run([sys.executable, "train.py", *base, f"--workdir={workdir}", *extra],
                        cwd=ROOT, env=env(XLA_FLAGS=flags.strip()), capture_output=True,
                        text=True, timeout=RUN_TIMEOUT_S)
   assert out.returncode == 0, out.stderr[-3000:]
   return out
 
 
-def launch(workdir, processes, *extra, script="train.py"):
+def launch(workdir, processes, *extra, base=FLAGS):
   """`processes` processes of one run (one device each) through scripts/launch_local.py."""
   out = subprocess.run([sys.executable, "scripts/launch_local.py",
-                        f"--num_processes={processes}", "--", script, *FLAGS,
+                        f"--num_processes={processes}", "--", "train.py", *base,
                         f"--workdir={workdir}", f"--heartbeat_timeout_s={HEARTBEAT_S}", *extra],
                        cwd=ROOT, env=env(), capture_output=True, text=True,
                        timeout=RUN_TIMEOUT_S)
@@ -73,10 +73,10 @@ def states(workdir):
   return jax.device_get(state), step
 
 
-def assert_same_state(workdir, reference):
+def assert_same_state(workdir, reference, steps=STEPS):
   state, step = states(workdir)
   expected, expected_step = states(reference)
-  assert step == expected_step == STEPS, (step, expected_step)
+  assert step == expected_step == steps, (step, expected_step)
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
   leaves = jax.tree_util.tree_leaves(expected)
   assert len(flat) == len(leaves)
@@ -133,6 +133,37 @@ def test_a_two_process_checkpoint_resumes_in_one_process(reference, two_process_
   out = train_one_process(to_one)
   assert f"resumed from step {EVERY}" in out.stdout
   assert_same_state(to_one, reference)
+
+
+LORA_STEPS = 3
+LORA_FLAGS = ("--config.lora.enabled=True", "--config.lora.rank=2", "--config.lora.alpha=4.0",
+              "--config.lora.base_dtype=float32", "--config.lora.dropout=0.1",
+              f"--config.num_train_steps={LORA_STEPS}")
+
+
+def test_a_lora_run_in_two_processes_trains_like_one(reference, tmp_path):
+  """LoRA adapters on the reference run as the frozen base (read from --init_from by every
+  process, sharded over the run's devices)."""
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  train_one_process(one, 2, f"--init_from={reference}", *LORA_FLAGS)
+  launch(two, 2, f"--init_from={reference}", *LORA_FLAGS)
+  assert_same_state(two, one, steps=LORA_STEPS)
+
+
+SDRL_FLAGS = ("--config=tests/tiny_sdrl_config.py", "--config.sharding.fsdp=-1")
+
+
+def test_an_sdrl_run_in_two_processes_trains_like_one(tmp_path):
+  """SD·RL: every process samples the rollout of all prompts on the run's mesh (its rows
+  gathered to every host for the rewards); the update's states stay global arrays."""
+  from tests.helpers import save_sft_run, tiny_configs
+
+  sft = str(tmp_path / "sft")
+  save_sft_run(tiny_configs()[0], sft)
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  train_one_process(one, 2, f"--init_from={sft}", base=SDRL_FLAGS)
+  launch(two, 2, f"--init_from={sft}", base=SDRL_FLAGS)
+  assert_same_state(two, one, steps=tiny_configs()[1].num_train_steps)
 
 
 def test_a_config_that_differs_between_processes_is_refused(tmp_path):

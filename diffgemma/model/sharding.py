@@ -177,8 +177,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def global_batch(local_batch: dict, mesh: Mesh, rules: dict[str, str]) -> dict:
-  """This process's rows of a batch -> global arrays split over the batch's mesh axes."""
+  """This process's rows of a batch -> global arrays split over the batch's mesh axes. An
+  array that is global already (a program's output on a multi-process mesh, e.g. SD·RL's
+  states) is only moved onto the batch's sharding."""
   def place(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, batch_sharding(mesh, rules, x.shape))
     x = np.asarray(x)
     global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
     return jax.make_array_from_process_local_data(batch_sharding(mesh, rules, global_shape), x,

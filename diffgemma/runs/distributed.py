@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
 from absl import flags
 
 from diffgemma import errors
@@ -215,6 +216,19 @@ def agree(name: str, decide: Callable[[], str]) -> str:
     client.key_value_set(key, value)
     return value
   return client.blocking_key_value_get(key, INIT_TIMEOUT_S * 1000)
+
+
+def fetch(tree):
+  """numpy values of a tree of arrays, whole on every process: `jax.device_get`, and in a
+  multi-process run the rows other processes hold gathered too."""
+  jax = _jax()
+  if not is_multi_process():
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+
+  return jax.tree_util.tree_map(
+      lambda x: (np.asarray(jax.device_get(x)) if x.is_fully_replicated
+                 else np.asarray(multihost_utils.process_allgather(x, tiled=True))), tree)
 
 
 def code_fingerprint() -> str:

@@ -40,7 +40,7 @@ import numpy as np
 
 from diffgemma.model import network, sharding
 from diffgemma.model.config import ModelConfig
-from diffgemma.runs import guard, training_state
+from diffgemma.runs import distributed, guard, training_state
 from diffgemma.sampling import sampler
 from diffgemma.tasks.base import Prompts, RlTask
 from diffgemma.training import diffusion, losses, rewards
@@ -510,9 +510,11 @@ class SdrlStage:
     prompts = self._prompts(step // self.cfg.updates_per_rollout)
     out = self.generate_fn(params, prompts.prompt_NxP, prompts.valid_NxP,
                            stream_key(state["rng"], _ROLLOUT_STREAM, step))
-    tokens_BxL = np.asarray(out["tokens"])
+    # The whole rollout's tokens and stats on every process (rows may live on other hosts).
+    host = distributed.fetch({key: out[key] for key in ("tokens", *ROLLOUT_STATS)})
+    tokens_BxL = np.asarray(host.pop("tokens"))
     t_rollout = time.perf_counter()
-    stats = jax.device_get({key: out[key] for key in ROLLOUT_STATS})
+    stats = host
     score, correct = self.task.reward(prompts, tokens_BxL)
     rewarded = rewards.shape(self.shaping, score, correct, stats["steps_per_canvas"],
                              stats["num_tokens"], self.rollout_cfg.max_denoising_steps,
@@ -524,7 +526,7 @@ class SdrlStage:
         params, self.setup.model_cfg, self.rollout_cfg, self.cfg, self.setup.grad_accum_steps,
         prompts.prompt_NxP, prompts.valid_NxP, out, weight_B,
         stream_key(state["rng"], _STATES_STREAM, step), token_weight_BxL)
-    replay_stats = jax.device_get(replay_stats)
+    replay_stats = distributed.fetch(replay_stats)
     t_states = time.perf_counter()
     metrics = _rollout_metrics(stats, rewarded, np.asarray(weight_B), self.cfg)
     metrics.update({
