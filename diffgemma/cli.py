@@ -208,9 +208,9 @@ def run(main, argv=None, sections: tuple[str, ...] = ()):
   try:
     try:
       main(argv)
-    except Exception:
-      if distributed.is_multi_process():  # a peer gone mid-collective: the watchdog names it
-        distributed.wait_for_lost()
+    except Exception as e:
+      if distributed.is_multi_process() and not isinstance(e, (*user_errors, errors.RunStopped)):
+        distributed.wait_for_lost()  # a peer gone mid-collective: the watchdog names it
       raise
   except user_errors as e:
     _quiet_exit()

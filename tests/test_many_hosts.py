@@ -28,7 +28,8 @@ HEARTBEAT_S = 10  # the watchdog's timeout in these runs (the default is 30 s)
 RUN_TIMEOUT_S = 400
 FLAGS = ("--config=tests/tiny_sudoku_config.py", f"--config.num_train_steps={STEPS}",
          f"--config.checkpoint_every={EVERY}", f"--config.keep_checkpoints={STEPS}",
-         "--config.sharding.fsdp=-1")  # fsdp over every device of the run, however many
+         "--config.sharding.fsdp=-1",  # fsdp over every device of the run, however many
+         "--config.model.num_layers=1")  # compiles dominate these tests' time
 launcher = load_script("launch_local")
 PROGRESS = re.compile(r"^sft: +\d+%")  # process 0's progress bar, on its stderr
 
@@ -159,7 +160,9 @@ def test_an_sdrl_run_in_two_processes_trains_like_one(tmp_path):
   from tests.helpers import save_sft_run, tiny_configs
 
   sft = str(tmp_path / "sft")
-  save_sft_run(tiny_configs()[0], sft)
+  sft_config = tiny_configs()[0]
+  sft_config.model.num_layers = 1  # the SD·RL run adopts the architecture of its init
+  save_sft_run(sft_config, sft)
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   train_one_process(one, 2, f"--init_from={sft}", base=SDRL_FLAGS)
   launch(two, 2, f"--init_from={sft}", base=SDRL_FLAGS)
