@@ -380,7 +380,7 @@ def reference_sft_loss(ref, cfg, loss_cfg, tokens, valid, loss_mask, k_B, noisy_
   hidden = ref.model.encoder(input_ids=tokens, attention_mask=valid, cache=cache).last_hidden_state
   scope = loss_mask | ((torch.arange(seq_len)[None] < p)
                        & (loss_cfg.encoder_scope == "prompt_and_target"))
-  targets_mask = valid[:, 1:] & scope[:, 1:]
+  targets_mask = valid[:, :-1] & valid[:, 1:] & scope[:, 1:]
   encoder_loss = masked_mean(ce(lm_logits(hidden[:, :-1]), tokens[:, 1:]), targets_mask)
 
   # The decoder sees the clean prefix before its canvas; positions continue after it.

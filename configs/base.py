@@ -48,9 +48,11 @@ def get_config():
   c.model = small_model()
 
   # Objective (diffgemma.training.losses.LossConfig; the layout P, K, C comes from the task).
+  # normalization: each loss term's batch mean, "token" (every scored token alike; NeMo
+  # AutoModel's) or "example" (each example's token mean, then the mean over examples).
   c.loss = ml_collections.ConfigDict(dict(
       encoder_weight=0.0, decoder_weight=1.0, noise_schedule="linear", t_eps=1e-3,
-      self_conditioning_prob=0.5, decoder_weighting="flat"))
+      self_conditioning_prob=0.5, decoder_weighting="flat", normalization="token"))
 
   c.grad_accum_steps = 1  # split each batch into this many micro-batches (same result, less memory)
   c.freeze_router = False  # NeMo's SFT default is True: no router updates (LoRA: no router adapter)

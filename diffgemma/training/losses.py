@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from diffgemma.training import diffusion
 ENCODER_SCOPES = ("off", "target", "prompt_and_target")
 CANVAS_SELECTIONS = ("one", "all")
 DECODER_WEIGHTINGS = ("flat", "inverse_t")
+NORMALIZATIONS = ("token", "example")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,10 @@ class LossConfig:
   canvas_selection: "one" canvas per example, uniformly among those with supervised tokens (the
     report's objective), or "all" its supervised canvases, each denoised from its own noise
     level against the clean earlier canvases (K times the decoder work per encoder pass).
+  normalization: each term's mean over the batch: "token" (every scored token of the batch
+    weighs the same; NeMo AutoModel's reduction) or "example" (each example's token mean, then
+    the mean over examples that have scored tokens: a long reply weighs as much as a short
+    one; the per-example mean NeMo's recipe notes for the reference's encoder loss).
   """
 
   encoder_weight: float = 1.0
@@ -41,10 +47,12 @@ class LossConfig:
   self_conditioning_prob: float = 0.5
   decoder_weighting: str = "flat"  # "flat" mean CE, or "inverse_t" (ELBO-style 1/t weight)
   canvas_selection: str = "one"
+  normalization: str = "token"
 
   def __post_init__(self):
     for name, choices in (("encoder_scope", ENCODER_SCOPES),
                           ("canvas_selection", CANVAS_SELECTIONS),
+                          ("normalization", NORMALIZATIONS),
                           ("decoder_weighting", DECODER_WEIGHTINGS),
                           ("noise_schedule", diffusion.SCHEDULES)):
       if getattr(self, name) not in choices:
@@ -73,6 +81,17 @@ def masked_mean(x, mask):
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def normalized_mean(x_UxT, mask_UxT, example_U, num_examples: int, normalization: str):
+  """The batch mean of x over `mask` under `LossConfig.normalization`; row u belongs to
+  example example_U[u] (several rows may share one: canvas_selection "all")."""
+  if normalization == "token":
+    return masked_mean(x_UxT, mask_UxT)
+  mask = mask_UxT.astype(jnp.float32)
+  sums_B = jax.ops.segment_sum(jnp.sum(x_UxT * mask, -1), example_U, num_examples)
+  counts_B = jax.ops.segment_sum(jnp.sum(mask, -1), example_U, num_examples)
+  return masked_mean(sums_B / jnp.maximum(counts_B, 1.0), counts_B > 0)
+
+
 def take_canvas(x_BxL, start_B, canvas_len: int):
   """Rows' canvases x[b, start_b : start_b + C] -> [B, C]."""
   index_BxC = start_B[:, None] + jnp.arange(canvas_len)
@@ -86,11 +105,55 @@ def take_cache_rows(cache, row_U):
           "end": cache["end"]}
 
 
-def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng):
+class Draws(NamedTuple):
+  """The random choices of one SFT batch, one entry per decoder row u (`decoder_rows`).
+
+  canvas_U: the canvas k that row u denoises; t_U: its noise level (read only by
+  decoder_weighting "inverse_t"); noisy_UxC: that canvas after the forward process.
+  """
+  canvas_U: jnp.ndarray
+  t_U: jnp.ndarray
+  noisy_UxC: jnp.ndarray
+
+
+def decoder_rows(loss_cfg: LossConfig, batch_size: int, num_canvases: int):
+  """The example each decoder row reads, [U]: one row per example ("one"), or row
+  u = b * K + k for every canvas k of every example b ("all")."""
+  if loss_cfg.canvas_selection == "one":
+    return jnp.arange(batch_size)
+  return jnp.repeat(jnp.arange(batch_size), num_canvases)
+
+
+def sample_draws(rng, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch) -> Draws:
+  """`sft_loss`'s draws from `rng`: the canvas of each row (uniform among the example's
+  canvases with supervised tokens under "one"), t ~ U(t_eps, 1) per row, the corruption."""
+  tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+  b = tokens.shape[0]
+  c, p, num_canvases = cfg.canvas_length, layout.prompt_len, layout.num_canvases
+  canvas_rng, t_rng, noise_rng = jax.random.split(rng, 3)
+  if loss_cfg.canvas_selection == "one":
+    has_target_BxK = loss_mask[:, p:].reshape(b, num_canvases, c).any(-1)
+    k_U = jax.random.categorical(canvas_rng, jnp.where(has_target_BxK, 0.0, -jnp.inf))
+  else:
+    k_U = jnp.tile(jnp.arange(num_canvases), b)
+  row_U = decoder_rows(loss_cfg, b, num_canvases)
+  start_U = p + k_U * c
+  clean_UxC = take_canvas(tokens[row_U], start_U, c)
+  target_mask_UxC = take_canvas(loss_mask[row_U], start_U, c)
+  t_U = diffusion.sample_noise_level(t_rng, k_U.shape[0], loss_cfg.t_eps)
+  noisy_UxC = diffusion.corrupt(noise_rng, clean_UxC, t_U, cfg.vocab_size,
+                                loss_cfg.noise_schedule, target_mask_UxC)
+  return Draws(k_U, t_U, noisy_UxC)
+
+
+def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng,
+             draws: Draws | None = None):
   """Total loss and metrics for one batch. Returns (loss, metrics dict of scalars).
 
   layout: the task's `Layout` (P prompt slots, K canvases of C = cfg.canvas_length); batch:
   tokens_BxL, valid_BxL, loss_mask_BxL with L = P + K * C (diffgemma/tasks/base.py).
+  draws: `Draws` to use instead of `sample_draws(rng, ...)` (e.g. another implementation's
+  corruption, to compare objectives on the same noise).
   """
   tokens, valid, loss_mask = batch["tokens"], batch["valid"], batch["loss_mask"]
   b, seq_len = tokens.shape
@@ -98,7 +161,8 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng)
   if layout.canvas_length != c or layout.seq_len != seq_len:
     raise ValueError(f"batch of length {seq_len} does not match the layout {layout} of a model "
                      f"with canvas_length {c}")
-  canvas_rng, t_rng, noise_rng = jax.random.split(rng, 3)
+  if draws is None:
+    draws = sample_draws(rng, cfg, loss_cfg, layout, batch)
 
   # The decoder never needs the last canvas's K/V; without an encoder loss, skip encoding it.
   encode_len = seq_len if loss_cfg.uses_encoder_loss else p + (num_canvases - 1) * c
@@ -111,37 +175,27 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng)
     scope_BxL = loss_mask
     if loss_cfg.encoder_scope == "prompt_and_target":
       scope_BxL = loss_mask | (jnp.arange(seq_len) < p)[None]
-    targets_mask = valid[:, 1:] & scope_BxL[:, 1:]
+    # A pair needs its input token valid too: a padding slot before the prompt sees nothing.
+    targets_mask = valid[:, :-1] & valid[:, 1:] & scope_BxL[:, 1:]
     logits = network.lm_head(params, hidden[:, :-1], cfg)
-    encoder_loss = masked_mean(cross_entropy(logits, tokens[:, 1:]), targets_mask)
+    encoder_loss = normalized_mean(cross_entropy(logits, tokens[:, 1:]), targets_mask,
+                                   jnp.arange(b), b, loss_cfg.normalization)
     metrics["encoder_loss"] = encoder_loss
 
-  if loss_cfg.canvas_selection == "one":
-    # One canvas per example, uniformly among those with supervised tokens.
-    has_target_BxK = loss_mask[:, p:].reshape(b, num_canvases, c).any(-1)
-    k_U = jax.random.categorical(canvas_rng, jnp.where(has_target_BxK, 0.0, -jnp.inf))
-    decode_cache, tokens_UxL, loss_mask_UxL = cache, tokens, loss_mask
-  else:
-    # Every canvas of every example: row u = b * K + k reads example b's cache up to canvas k
-    # (a canvas without supervised tokens contributes nothing).
-    row_U = jnp.repeat(jnp.arange(b), num_canvases)
-    k_U = jnp.tile(jnp.arange(num_canvases), b)
-    decode_cache = take_cache_rows(cache, row_U)
-    tokens_UxL, loss_mask_UxL = tokens[row_U], loss_mask[row_U]
-  u = k_U.shape[0]
-  start_U = p + k_U * c
-  clean_UxC = take_canvas(tokens_UxL, start_U, c)
-  target_mask_UxC = take_canvas(loss_mask_UxL, start_U, c)
-  t_U = diffusion.sample_noise_level(t_rng, u, loss_cfg.t_eps)
-  noisy_UxC = diffusion.corrupt(noise_rng, clean_UxC, t_U, cfg.vocab_size,
-                                loss_cfg.noise_schedule, target_mask_UxC)
+  # Row u denoises canvas k_U[u] of example row_U[u], reading that example's cache up to it (a
+  # canvas without supervised tokens contributes nothing).
+  row_U = decoder_rows(loss_cfg, b, num_canvases)
+  decode_cache = cache if loss_cfg.canvas_selection == "one" else take_cache_rows(cache, row_U)
+  start_U = p + draws.canvas_U * c
+  clean_UxC = take_canvas(tokens[row_U], start_U, c)
+  target_mask_UxC = take_canvas(loss_mask[row_U], start_U, c)
 
-  logits, _, _ = self_conditioned_logits(params, cfg, noisy_UxC, decode_cache, start_U,
+  logits, _, _ = self_conditioned_logits(params, cfg, draws.noisy_UxC, decode_cache, start_U,
                                          loss_cfg.self_conditioning_prob)
   ce_UxC = cross_entropy(logits, clean_UxC)
   if loss_cfg.decoder_weighting == "inverse_t":
-    ce_UxC = ce_UxC / t_U[:, None]
-  decoder_loss = masked_mean(ce_UxC, target_mask_UxC)
+    ce_UxC = ce_UxC / draws.t_U[:, None]
+  decoder_loss = normalized_mean(ce_UxC, target_mask_UxC, row_U, b, loss_cfg.normalization)
   correct = (jnp.argmax(logits, -1) == clean_UxC)
   metrics["decoder_loss"] = decoder_loss
   metrics["decoder_token_accuracy"] = masked_mean(correct, target_mask_UxC)
