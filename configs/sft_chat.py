@@ -5,7 +5,8 @@
   python eval.py --workdir=/tmp/chat --data=HELDOUT.jsonl
 
 `--config=sft_chat:sort` sizes the layout for scripts/make_chat_task.py's sort task (its prompts
-are up to ~95 bytes; replies fit 2 canvases). To fine-tune a checkpoint on chat data instead,
+are up to ~95 bytes; replies fit 2 canvases), `--config=sft_chat:infill_count` for its
+infill_count task (replies fit one canvas). To fine-tune a checkpoint on chat data instead,
 pass --init_from=DIR: its tokenizer and chat template are used when data.tokenizer is empty
 (see configs/sft_pubmedqa_lora.py).
 
@@ -53,9 +54,11 @@ BYTE_VOCAB = 261  # the byte tokenizer: PAD, EOS, BOS, <|turn>, <turn|>, 256 byt
 CANVAS = 32
 # Layouts per synthetic task (scripts/make_chat_task.py): "count" prompts are <= 40 bytes with
 # the template and replies <= 164 bytes with the end-of-turn (6 canvases of 32); "sort" prompts
-# are <= 96 bytes and replies <= 61 (2 canvases).
+# are <= 96 bytes and replies <= 61 (2 canvases); "infill_count" prompts are 32 bytes and
+# replies <= 32 with the end-of-turn (one canvas: prefix, gap and suffix share it).
 LAYOUTS = {"count": dict(prompt_len=48, num_canvases=6),
-           "sort": dict(prompt_len=96, num_canvases=2)}
+           "sort": dict(prompt_len=96, num_canvases=2),
+           "infill_count": dict(prompt_len=40, num_canvases=1)}
 
 
 def get_config(variant: str = "count"):

@@ -2,12 +2,25 @@
 
   python scripts/make_chat_task.py --task=count --num=20000 --seed=1 --out=/tmp/count.jsonl
   python scripts/make_chat_task.py --task=sort --num=500 --seed=2 --out=/tmp/sort_test.jsonl
+  python scripts/make_chat_task.py --task=infill_count --num=500 --seed=2 --out=/tmp/infill.jsonl
 
 count: user "Count from A to B.", assistant "A A+1 ... B" (single spaces); A uniform in 1..500,
        B - A uniform in 10..40 (with the byte tokenizer and 32-token canvases, mostly 2-6
        canvases of reply).
 sort:  user "Sort the letters: S", S 20..60 random lowercase letters; assistant the letters of S
        in alphabetical order, no separators.
+infill_count: count with a gap to fill. user "Count up by one." (the numbers are not in the
+       prompt: only the given parts of the reply tell them), assistant "A A+1 ... B" with
+       A uniform in 1..500 and 5..8 numbers (uniform), so a reply and its end of turn fit one
+       32-token canvas with the byte tokenizer: the prefix, the gap and the suffix share a
+       canvas, as an infill must (docs/design.md, "Infilling"). The line also carries
+         "infill": {"prefix": P, "middle": M, "suffix": S}, P + M + S == the reply exactly:
+       the gap is 1..3 consecutive numbers (uniform), at a uniform place with at least one
+       number after it (P may be empty, S never is); P and M each end with the space before
+       the next number.
+       Training reads the line as an ordinary conversation (the infill fields are ignored);
+       evaluation fixes P and S in the reply's canvas and scores the generated middle against
+       M (diffgemma/tasks/chat.py, docs/chat.md).
 Each line is a pure function of (task, seed, line number); a fresh seed gives a fresh set.
 """
 
@@ -23,10 +36,14 @@ import numpy as np  # noqa: E402
 
 from diffgemma import cli  # noqa: E402
 
-TASKS = ("count", "sort")
+TASKS = ("count", "sort", "infill_count")
 COUNT_START = (1, 500)  # A, inclusive
 COUNT_SPAN = (10, 40)  # B - A, inclusive
 SORT_LENGTH = (20, 60)  # letters, inclusive
+INFILL_START = (1, 500)  # A, inclusive
+INFILL_NUMBERS = (5, 8)  # numbers in the reply, inclusive: <= 31 bytes, one 32-byte canvas
+INFILL_GAP = (1, 3)  # numbers left out, inclusive (always fewer than the reply's)
+INFILL_PROMPT = "Count up by one."
 
 FLAGS = flags.FLAGS
 
@@ -52,19 +69,36 @@ def sort_conversation(rng: np.random.Generator) -> list[dict]:
           {"role": "assistant", "content": "".join(sorted(letters))}]
 
 
+def infill_count_record(rng: np.random.Generator) -> dict:
+  """A count reply with a gap: the conversation and its "infill" split (module docstring)."""
+  a = int(rng.integers(INFILL_START[0], INFILL_START[1] + 1))
+  numbers = [str(n) for n in range(a, a + int(rng.integers(INFILL_NUMBERS[0],
+                                                           INFILL_NUMBERS[1] + 1)))]
+  gap = int(rng.integers(INFILL_GAP[0], INFILL_GAP[1] + 1))
+  start = int(rng.integers(0, len(numbers) - gap))  # the suffix keeps >= 1 number
+  prefix = "".join(n + " " for n in numbers[:start])
+  middle = "".join(n + " " for n in numbers[start:start + gap])
+  suffix = " ".join(numbers[start + gap:])
+  return {"messages": [{"role": "user", "content": INFILL_PROMPT},
+                       {"role": "assistant", "content": " ".join(numbers)}],
+          "infill": {"prefix": prefix, "middle": middle, "suffix": suffix}}
+
+
 def write_task(task: str, num: int, seed: int, out: str) -> None:
   """Write `num` conversations of `task`; line i is drawn from the generator seeded (seed, i)."""
   if task not in TASKS:
     raise cli.UserError(f"unknown --task {task!r}; choose one of {TASKS}")
   if num is None or num < 1:
     raise cli.UserError(f"--num must be positive, got {num}")
-  make = {"count": count_conversation, "sort": sort_conversation}[task]
+  make = {"count": lambda rng: {"messages": count_conversation(rng)},
+          "sort": lambda rng: {"messages": sort_conversation(rng)},
+          "infill_count": infill_count_record}[task]
   out_dir = os.path.dirname(os.path.abspath(out))
   if not os.path.isdir(out_dir):
     raise cli.UserError(f"directory {out_dir} does not exist")
   with open(out, "w", encoding="utf-8") as f:
     for i in range(num):
-      f.write(json.dumps({"messages": make(np.random.default_rng([seed, i]))}) + "\n")
+      f.write(json.dumps(make(np.random.default_rng([seed, i]))) + "\n")
 
 
 def main(argv):
