@@ -10,7 +10,9 @@
       [--sweep sampler.t_max=0.6,0.8,1.0] --out=SWEEP_DIR      # quality against TPF
 
 The task of the run (config.task.name) reads the file: a Kaggle-format CSV of puzzles for
-Sudoku, a JSONL of conversations for chat (the last assistant turn is the reference). Every
+Sudoku, a JSONL of conversations for chat (the last assistant turn is the reference; infill
+records, scripts/make_chat_task.py --task=infill_count, are infilled between their given prefix
+and suffix and scored by infill_accuracy). Every
 prediction is written as one JSON line to DIR/predictions/<file>-step<N>.jsonl (--workdir; with
 --init_from, to --predictions if given). `--sampler.KEY=VALUE` overrides any field of the run's
 sampler (diffgemma.sampling.sampler.SamplerConfig). The last line printed is one JSON object of
@@ -118,11 +120,16 @@ def main(argv):
   prompts = run.task.load_eval_file(_DATA.value, _LIMIT.value)  # checked before the weights
   if not len(prompts):
     raise cli.UserError(f"no examples in {_DATA.value}")
+  try:  # infill data against the sampler (diffusion mode, the run's reply slots)
+    evaluation.check_prompts(prompts, run.run_cfg.model, run.sampler_cfg)
+  except ValueError as e:
+    raise cli.UserError(f"{_DATA.value}: {e}") from None
   points = []
   for key, values in sweep:  # every point's sampler is checked before the weights load
     for value in values:
       try:
         points.append((key, value, run.sampler_cfg.replace(**{key: value})))
+        evaluation.check_prompts(prompts, run.run_cfg.model, points[-1][2])
       except ValueError as e:
         raise cli.UserError(f"--sweep sampler.{key}={value}: {e}") from None
   run.load()
@@ -140,7 +147,8 @@ def main(argv):
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
         progress=bar, warmup=True)
   metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value),
-                 quantize=_QUANTIZE.value or "none", headline_metric=run.task.headline_metric,
+                 quantize=_QUANTIZE.value or "none",
+                 headline_metric=run.task.headline_metric_for(prompts),
                  sampler_overrides=sampler_overrides, device=provenance.device_info())
   path = _PREDICTIONS.value
   if path is None and _WORKDIR.value:
@@ -187,7 +195,7 @@ def run_sweep(run, prompts, batch: int, points, sampler_overrides: dict, device:
                                        batch, seed=_SEED.value, progress=bar, warmup=True)
     metrics.pop("step_profile", None)
     results.append(compare.SweepPoint(key, value, metrics))
-  metric = run.task.headline_metric
+  metric = run.task.headline_metric_for(prompts)
   table = compare.markdown(*compare.sweep_table(results, metric))
   header = (f"Sampler sweep of {run.source} (checkpoint step {run.step}) on "
             f"{os.path.abspath(_DATA.value)}: {len(prompts)} examples, seed {_SEED.value}, batch "

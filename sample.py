@@ -121,7 +121,7 @@ def sample_text():
   except (tokenizer_lib.TokenizerError, CheckpointFormatError, ValueError) as e:
     raise cli.UserError(str(e)) from None
   num_prompt = prompts.prompt_NxP.shape[1]
-  infill = _infill_slots(task, sampler)
+  infill = _infill_slots(task)
   context = _context_length(hf_config)
   if context is not None and num_prompt >= context:
     raise cli.UserError(f"prompt is {num_prompt} tokens, longer than the model's context "
@@ -159,7 +159,7 @@ def sample_text():
   fixed_end = int(infill[1].nonzero()[0][-1]) + 1 if infill is not None else 0
   end = next((i for i, t in enumerate(tokens) if t in stops and i >= fixed_end), None)
   if infill is not None:
-    print(task.tokenizer.decode(tokens[:fixed_end]) + task.reply_text(out["tokens"][0][fixed_end:]))
+    print(task.infill_reply_text(out["tokens"][0], infill[1]))
   else:
     print(task.reply_text(out["tokens"][0]))
   num_tokens, canvases = int(out["num_tokens"][0]), int(out["num_canvases"][0])
@@ -175,9 +175,9 @@ def sample_text():
     print(f"trace: {_TRACE.value} ({rows} denoising steps)")
 
 
-def _infill_slots(task, sampler):
+def _infill_slots(task):
   """--infill_prefix / --infill_suffix / --infill_length as (tokens_L, mask_L) over the reply
-  slots (sampler.infill_slots), or None without a suffix."""
+  slots (the chat task's infill_slots, as its infill data), or None without a suffix."""
   if _INFILL_SUFFIX.value is None:
     if _INFILL_PREFIX.value is not None or _INFILL_LENGTH.value is not None:
       raise cli.UserError("--infill_prefix / --infill_length need --infill_suffix")
@@ -193,7 +193,7 @@ def _infill_slots(task, sampler):
       raise cli.UserError(f"the prefix and suffix leave no room for a middle in their canvas of "
                           f"{layout.canvas_length} tokens; give --infill_length")
   try:
-    return sampler.infill_slots(prefix, suffix, middle, layout.response_len, tok.pad_id)
+    return task.infill_slots(_INFILL_PREFIX.value or "", _INFILL_SUFFIX.value, middle)
   except ValueError as e:
     raise cli.UserError(f"--infill_*: {e}") from None
 

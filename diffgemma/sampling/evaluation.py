@@ -26,7 +26,9 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
                         progress=None, warmup: bool = False, on_trajectory=None,
                         timing: dict | None = None):
   """Run `generate_fn(params, prompt_BxP, valid_BxP, rng)` over the prompts in fixed-size
-  batches (the last one padded by repetition, so one compiled shape serves all).
+  batches (the last one padded by repetition, so one compiled shape serves all). Prompts with
+  fixed tokens (infilling: `Prompts.fixed_NxL`, `fixed_mask_NxL`) pass their rows' as
+  `generate_fn(..., rng, fixed_BxL, fixed_mask_BxL)`.
 
   Returns (tokens_NxL, per-row stats {key: [N]}, sampler seconds). With `warmup`, one untimed
   call compiles first. When the sampler records trajectories, each row also gets settle_steps
@@ -41,10 +43,17 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
   batch_size = min(batch_size, n)
   rng = jax.random.PRNGKey(seed)
   calls = []  # (seconds, tokens, canvases) of every timed call, in order
+
+  def fixed(rows):  # infilling's fixed tokens of these rows, as extra arguments
+    if prompts.fixed_NxL is None:
+      return ()
+    return prompts.fixed_NxL[rows], prompts.fixed_mask_NxL[rows]
+
   if warmup:
     t0 = time.perf_counter()
     jax.block_until_ready(generate_fn(params, prompts.prompt_NxP[:batch_size],
-                                      prompts.valid_NxP[:batch_size], rng))
+                                      prompts.valid_NxP[:batch_size], rng,
+                                      *fixed(slice(0, batch_size))))
     calls.append((time.perf_counter() - t0, 0, 0))
   tokens, stats, seconds = [], {}, 0.0
   for start in range(0, n, batch_size):
@@ -53,7 +62,7 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
     padded = np.concatenate([rows, np.full(batch_size - real, rows[-1])])
     t0 = time.perf_counter()
     out = generate_fn(params, prompts.prompt_NxP[padded], prompts.valid_NxP[padded],
-                      jax.random.fold_in(rng, start))
+                      jax.random.fold_in(rng, start), *fixed(padded))
     out = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(out))
     call_s = time.perf_counter() - t0
     seconds += call_s
@@ -125,6 +134,22 @@ def sampler_metrics(stats: dict, seconds: float) -> dict[str, float]:
   return metrics
 
 
+def check_prompts(prompts: Prompts, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfig
+                  ) -> None:
+  """ValueError (one line) when the sampler cannot run these prompts: infill prompts (fixed
+  tokens) need diffusion mode and exactly the K*C reply slots they were laid out over."""
+  if prompts.fixed_NxL is None:
+    return
+  if sampler_cfg.mode != sampler.DIFFUSION:
+    raise ValueError(f"infill data needs sampler.mode={sampler.DIFFUSION!r}, not "
+                     f"{sampler_cfg.mode!r}")
+  slots = sampler.num_canvases(model_cfg, sampler_cfg) * model_cfg.canvas_length
+  if prompts.fixed_NxL.shape[1] != slots:
+    raise ValueError(f"the infill data is laid out over {prompts.fixed_NxL.shape[1]} reply "
+                     f"slots but sampler.max_new_tokens={sampler_cfg.max_new_tokens} gives "
+                     f"{slots}; keep the run's budget for infill data")
+
+
 def evaluate(task: Task, params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfig,
              prompts: Prompts, batch_size: int, seed: int = 0, generate_fn=None, progress=None,
              warmup: bool = False) -> tuple[dict, list[dict]]:
@@ -136,6 +161,7 @@ def evaluate(task: Task, params, model_cfg: ModelConfig, sampler_cfg: sampler.Sa
   (`Task.profile_trajectory`), step_profile: per denoising step, the task's sums as means per
   example that ran the step ("rows": how many did). predictions: one record per example.
   """
+  check_prompts(prompts, model_cfg, sampler_cfg)
   generate_fn = generate_fn or sampler.make_generate_fn(model_cfg, sampler_cfg)
   profile = {}
 

@@ -59,12 +59,21 @@ class Prompts:
   references: one entry per row (a list, or an array with rows first), opaque to generic code
   (the task's `score` and `reward` read it); `take` keeps it aligned with the rows.
   records: optional per-row dicts written beside the predictions (e.g. the source line).
+  fixed_NxL, fixed_mask_NxL: infilling (optional, both or neither): int32 / bool over the K*C
+  reply slots, the clean tokens the sampler keeps in the canvases (`sampler.generate`'s
+  fixed_BxL / fixed_mask_BxL, laid out by `sampler.infill_slots`).
   """
 
   prompt_NxP: np.ndarray
   valid_NxP: np.ndarray
   references: Sequence[Any]
   records: Sequence[dict] | None = None
+  fixed_NxL: np.ndarray | None = None
+  fixed_mask_NxL: np.ndarray | None = None
+
+  def __post_init__(self):
+    if (self.fixed_NxL is None) != (self.fixed_mask_NxL is None):
+      raise ValueError("Prompts: give fixed_NxL and fixed_mask_NxL together")
 
   def __len__(self) -> int:
     return len(self.prompt_NxP)
@@ -79,7 +88,7 @@ class Prompts:
       return [seq[int(i)] for i in rows]
 
     return Prompts(self.prompt_NxP[rows], self.valid_NxP[rows], pick(self.references),
-                   pick(self.records))
+                   pick(self.records), pick(self.fixed_NxL), pick(self.fixed_mask_NxL))
 
   def repeat(self, times: int) -> Prompts:
     """Each row `times` times in a row (SD·RL groups): row i becomes rows i*G .. i*G+G-1."""
@@ -129,6 +138,12 @@ class Task(abc.ABC):
     return None
 
   # ---------------------------------------------------------------- evaluation
+
+  def headline_metric_for(self, prompts: Prompts) -> str:
+    """The headline metric of `score` on these prompts (e.g. a chat task's infill metric on
+    infill data); default `headline_metric`."""
+    del prompts
+    return self.headline_metric
 
   @abc.abstractmethod
   def eval_prompts(self) -> Prompts | None:

@@ -7,6 +7,12 @@ so a bad line or an overflow under `data.overflow="error"` fails before a run wr
 Data formats, the canvas layout and the overflow policies: diffgemma/tasks/chat_data.py;
 metrics: diffgemma/tasks/text_metrics.py.
 
+Infill data (records with an "infill" split of the reply, chat_data's module docstring;
+scripts/make_chat_task.py --task=infill_count): evaluation hands the sampler the reply's prefix
+and suffix as fixed tokens (`infill_slots`, the path sample.py --infill_* takes), the middle as
+many slots as the reference middle's tokens, and scores infill_accuracy (the headline on such
+data): the generated middle's text equals the reference middle exactly.
+
 The tokenizer (`data.tokenizer`): a directory holding tokenizer.json or tokenizer.model plus a
 chat template; "bytes" (diffgemma/io/tokenizer.py's byte-level tokenizer); empty = the run's
 `init_from` checkpoint directory.
@@ -32,10 +38,12 @@ from diffgemma import errors
 from diffgemma.io import model_dirs
 from diffgemma.io import tokenizer as tokenizer_lib
 from diffgemma.runs import checkpointing
+from diffgemma.sampling import sampler
 from diffgemma.tasks import chat_data, text_metrics
 from diffgemma.tasks.base import Layout, Prompts, RlTask
 
 DEFAULT_REWARD = "exact"
+INFILL_METRIC = "infill_accuracy"  # the headline on infill data
 # Seed streams of the two index orders drawn from the training split.
 _TRAIN_STREAM, _ROLLOUT_STREAM = 1, 2
 NO_TRAINING_DATA = "no training data: set data.train (e.g. --config.data.train=FILE.jsonl)"
@@ -334,7 +342,12 @@ class ChatTask(RlTask):
     """Held-out prompts: each conversation's last assistant turn, its history as the prompt.
     References must hold an answer under the metric."""
     counts = chat_data.OverflowCounts()
-    rows, valids, references, records = [], [], [], []
+    rows, valids, references, records, fixed = [], [], [], [], []
+    infill = {c.infill is not None for c in conversations}
+    if len(infill) > 1:
+      raise chat_data.ChatDataError(
+          f"{conversations[0].path}: some records have an \"infill\" split and some do not; "
+          "a held-out set is all infill records or none")
     for conversation in conversations:
       messages = conversation.messages
       j = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -350,14 +363,26 @@ class ChatTask(RlTask):
         continue
       counts.examples += 1
       tokens, valid = chat_data.left_pad(prompt, self._layout.prompt_len, self.tokenizer.pad_id)
+      record = {"source": conversation.source, "prompt": _last_user_text(messages[:j])}
+      if conversation.infill is not None:
+        prefix, middle, suffix = conversation.infill
+        try:
+          fixed.append(self.infill_slots(prefix, suffix,
+                                         len(self.tokenizer.encode(middle))))
+        except ValueError as e:
+          raise chat_data.ChatDataError(f"{conversation.source}: {e}") from None
+        record.update(infill_prefix=prefix, reference_middle=middle, infill_suffix=suffix)
       rows.append(tokens)
       valids.append(valid)
       references.append(reference)
-      records.append({"source": conversation.source, "prompt": _last_user_text(messages[:j])})
+      records.append(record)
     self.overflow_counts[split] = counts
     if not rows:
       raise chat_data.ChatDataError(f"no {split} example left after "
                                     f"data.overflow={self.settings.overflow}")
+    if fixed:
+      return Prompts(np.stack(rows), np.stack(valids), references, records,
+                     np.stack([t for t, _ in fixed]), np.stack([m for _, m in fixed]))
     return Prompts(np.stack(rows), np.stack(valids), references, records)
 
   def _example_prompts(self, examples: Sequence[Example]) -> Prompts:
@@ -446,6 +471,34 @@ class ChatTask(RlTask):
 
   # ---------------------------------------------------------------- evaluation
 
+  def headline_metric_for(self, prompts: Prompts) -> str:
+    """infill_accuracy on infill data, else accuracy."""
+    return INFILL_METRIC if prompts.fixed_NxL is not None else self.headline_metric
+
+  def infill_slots(self, prefix: str, suffix: str, middle_len: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed tokens (tokens_L int32, mask_L bool over the K*C reply slots) of an infill:
+    `prefix` and `suffix` encoded on their own, `middle_len` generated slots between them
+    (`sampler.infill_slots`). The one path of infill data and sample.py --infill_*.
+    ValueError (one line) if they do not fit the reply's slots."""
+    prefix_ids = self.tokenizer.encode(prefix) if prefix else []
+    return sampler.infill_slots(prefix_ids, self.tokenizer.encode(suffix), middle_len,
+                                self._layout.response_len, self.tokenizer.pad_id)
+
+  def infill_reply_text(self, tokens_L, fixed_mask_L) -> str:
+    """An infilled reply's text: every slot through the last fixed one (a stop id drawn there
+    does not end the reply: the sampler's rule), then the reply up to its first stop token."""
+    fixed_end = _fixed_end(fixed_mask_L)
+    tokens = np.asarray(tokens_L).reshape(-1)
+    return self.tokenizer.decode(tokens[:fixed_end].tolist()) + self.reply_text(tokens[fixed_end:])
+
+  def infill_middle_text(self, tokens_L, fixed_mask_L) -> str:
+    """The generated middle of an infilled reply (the unfixed slots before the last fixed
+    one), decoded with special tokens shown, so a stray stop or pad never matches."""
+    fixed_end = _fixed_end(fixed_mask_L)
+    middle = np.asarray(tokens_L).reshape(-1)[:fixed_end][~np.asarray(fixed_mask_L)[:fixed_end]]
+    return self.tokenizer.decode(middle.tolist(), skip_special_tokens=False)
+
   def eval_prompts(self) -> Prompts | None:
     return self._held_out
 
@@ -487,22 +540,36 @@ class ChatTask(RlTask):
     """accuracy (eval.metric), answered (an answer could be extracted), stopped (the reply
     ended with a stop token within the budget), canvases_per_reply (from stats["num_canvases"]
     when the sampler gives it); one record per row: source, prompt, reply, reference, correct,
-    answer, reference_answer."""
-    records, correct, answered, stopped = [], [], [], []
+    answer, reference_answer.
+    Infill data (`prompts.fixed_NxL`): the reply is `infill_reply_text` (the whole reply, given
+    parts included, is what accuracy judges), stopped counts stop tokens after the suffix only,
+    and infill_accuracy is the share of rows whose middle (`infill_middle_text`) equals the
+    reference middle exactly; records add middle and infill_correct."""
+    records, correct, answered, stopped, infill_correct = [], [], [], [], []
     for i, row in enumerate(np.asarray(tokens_NxL)):
-      reply = self.reply_text(row)
+      record = dict(prompts.records[i]) if prompts.records else {}
+      if prompts.fixed_NxL is None:
+        reply = self.reply_text(row)
+        stopped.append(self._stopped(row))
+      else:
+        mask_L = prompts.fixed_mask_NxL[i]
+        reply = self.infill_reply_text(row, mask_L)
+        stopped.append(self._stopped(np.asarray(row)[_fixed_end(mask_L):]))
+        middle = self.infill_middle_text(row, mask_L)
+        infill_correct.append(middle == record["reference_middle"])
+        record.update(middle=middle, infill_correct=infill_correct[-1])
       verdict = text_metrics.judge(self.settings.metric, reply, prompts.references[i],
                                    self._pattern)
-      record = dict(prompts.records[i]) if prompts.records else {}
       record.update(reply=reply, reference=prompts.references[i], correct=verdict.correct,
                     answer=verdict.answer, reference_answer=verdict.reference_answer)
       records.append(record)
       correct.append(verdict.correct)
       answered.append(verdict.answer is not None)
-      stopped.append(self._stopped(row))
     metrics = {"accuracy": float(np.mean(correct)) if correct else 0.0,
                "answered": float(np.mean(answered)) if answered else 0.0,
                "stopped": float(np.mean(stopped)) if stopped else 0.0}
+    if prompts.fixed_NxL is not None:
+      metrics[INFILL_METRIC] = float(np.mean(infill_correct)) if infill_correct else 0.0
     if "num_canvases" in stats:
       metrics["canvases_per_reply"] = float(np.mean(stats["num_canvases"]))
     return metrics, records
@@ -618,6 +685,12 @@ def _typed_prompt_ids(tok, text: str, chat: bool) -> list[int]:
   if chat:
     return tok.chat_prompt(text)
   return [tok.bos_id] + tok.encode(text)
+
+
+def _fixed_end(fixed_mask_L) -> int:
+  """One past the last fixed slot of an infill (0 without one)."""
+  fixed = np.flatnonzero(np.asarray(fixed_mask_L))
+  return int(fixed[-1]) + 1 if len(fixed) else 0
 
 
 def _last_user_text(history: Sequence[dict]) -> str:

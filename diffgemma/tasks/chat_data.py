@@ -7,6 +7,10 @@ Formats (one JSON object per line; blank lines are skipped):
 Every line is checked: valid JSON, one of the formats, known roles, non-empty string contents, an
 assistant turn, and a user turn before the first assistant turn. A bad line is a `ChatDataError`
 naming the file and line.
+Infill records (scripts/make_chat_task.py --task=infill_count) add, in any format,
+  "infill": {"prefix": P, "middle": M, "suffix": S}     with P + M + S == the last assistant turn
+(M and S non-empty, P may be empty): training reads the conversation as any other; evaluation
+gives P and S and scores the generated middle against M (diffgemma/tasks/chat.py).
 
 Examples. A conversation gives one training example per assistant turn: the prompt is the chat
 template's rendering of the turns before it with the generation prompt (BOS included); the
@@ -60,6 +64,7 @@ class Conversation:
   path: str
   line: int
   messages: tuple[dict, ...]
+  infill: tuple[str, str, str] | None = None  # (prefix, middle, suffix) of the last reply
 
   @property
   def source(self) -> str:
@@ -89,9 +94,10 @@ def read_jsonl(path: str) -> list[Conversation]:
           raise ChatDataError(f"{path}:{number}: not JSON ({_first_line(e)})") from None
         try:
           messages = parse_record(record)
+          infill = parse_infill(record, messages)
         except ValueError as e:
           raise ChatDataError(f"{path}:{number}: {e}") from None
-        conversations.append(Conversation(path, number, messages))
+        conversations.append(Conversation(path, number, messages, infill))
   except (OSError, UnicodeDecodeError) as e:
     raise ChatDataError(f"cannot read {path}: {_first_line(e)}") from None
   if not conversations:
@@ -136,6 +142,31 @@ def parse_record(record) -> tuple[dict, ...]:
   if "user" not in kinds[:first]:
     raise ValueError(f"assistant turn {first + 1} comes before any user turn")
   return tuple(messages)
+
+
+INFILL_PARTS = ("prefix", "middle", "suffix")
+
+
+def parse_infill(record: dict, messages: Sequence[dict]) -> tuple[str, str, str] | None:
+  """A record's "infill" split of its last assistant turn (module docstring) as (prefix,
+  middle, suffix); None without one; ValueError (one line) if malformed."""
+  if "infill" not in record:
+    return None
+  infill = record["infill"]
+  if not isinstance(infill, dict) or sorted(infill) != sorted(INFILL_PARTS):
+    raise ValueError(f'"infill" must be an object with exactly {list(INFILL_PARTS)}')
+  parts = tuple(infill[k] for k in INFILL_PARTS)
+  if not all(isinstance(p, str) for p in parts):
+    raise ValueError(f'"infill" {list(INFILL_PARTS)} must be strings')
+  if not parts[1] or not parts[2]:
+    raise ValueError('"infill" needs a non-empty middle and suffix (the prefix may be empty)')
+  reply = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
+  if "".join(parts) != reply:
+    raise ValueError('"infill" prefix + middle + suffix is not the last assistant turn '
+                     f"({''.join(parts)!r} against {reply!r})")
+  if reply != reply.strip():  # training strips the reply, which would move every slot
+    raise ValueError('an "infill" reply must not start or end with whitespace')
+  return parts
 
 
 # ----------------------------------------------------------------------------- overflow
