@@ -511,9 +511,14 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
 # ----------------------------------------------------------------------------- generation
 
 
-def _row_stats(tokens_BxL, decoder_passes_B, commit_passes_B, canvases_B, pad: int):
-  """Per-row statistics; TPF = generated non-pad tokens / decoder passes (the reference's)."""
-  num_tokens_B = jnp.sum(tokens_BxL != pad, axis=-1).astype(jnp.int32)
+def _row_stats(tokens_BxL, decoder_passes_B, commit_passes_B, canvases_B, pad: int,
+               given_BxL=None):
+  """Per-row statistics; TPF = generated non-pad tokens / decoder passes (the reference's).
+  `given_BxL` (infilling's fixed slots) are not generated, so not counted."""
+  generated_BxL = tokens_BxL != pad
+  if given_BxL is not None:
+    generated_BxL &= ~given_BxL
+  num_tokens_B = jnp.sum(generated_BxL, axis=-1).astype(jnp.int32)
   return {
       "tokens": tokens_BxL,
       "num_tokens": num_tokens_B,
@@ -613,7 +618,7 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
 
   carry = jax.lax.while_loop(cond, body, carry)
   out = _row_stats(carry["tokens"], carry["passes"], carry["commits"], carry["canvases"],
-                   model_cfg.pad_token_id)
+                   model_cfg.pad_token_id, None if fixed is None else fixed[1])
   out["canvas_steps"] = carry["canvas_steps"]
   if fallback:
     out.update(ar_canvases=carry["ar_canvases"], ar_passes=carry["ar_passes"],
@@ -759,8 +764,8 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
   Infilling (diffusion mode): `fixed_BxL` int32 and `fixed_mask_BxL` bool over the K*C reply
   slots give clean tokens (e.g. a prefix and a suffix, `infill_slots`) that sit in their
   canvases from the start and are never re-noised; a stop id before a row's last fixed slot
-  does not end the row. The tokens returned hold them unchanged. None: no infilling (the
-  program is today's).
+  does not end the row. The tokens returned hold them unchanged; num_tokens (and so TPF) counts
+  only the generated ones. None: no infilling (the program is today's).
   """
   batch, prompt_len = prompt_BxP.shape
   if prompt_valid_BxP is None:
