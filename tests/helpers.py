@@ -241,3 +241,31 @@ def make_config(train="", canvas_length=4, **data):
   c.data.update(data)
   return c
 
+
+
+def infill_chat(user, prefix, middle, suffix):
+  """A chat record whose reply is prefix + middle + suffix, with its "infill" split
+  (scripts/make_chat_task.py --task=infill_count's format)."""
+  record = chat(user, prefix + middle + suffix)
+  record["infill"] = {"prefix": prefix, "middle": middle, "suffix": suffix}
+  return record
+
+
+def byte_ids(text):
+  """The byte tokenizer's ids of `text` by hand (ids 0-4 are its specials, then byte b is
+  5 + b): a reference for encoding."""
+  return [5 + b for b in text.encode("utf-8")]
+
+
+def tiny_chat_config(train="", canvas_length=8, num_canvases=2, prompt_len=24, **data):
+  """make_config (sft_chat, byte tokenizer) with a tiny model that compiles in seconds, the
+  sampler's budget the layout's K canvases and few denoising steps."""
+  c = make_config(train, canvas_length, prompt_len=prompt_len, num_canvases=num_canvases,
+                  num_threads=0, **data)
+  c.model.update(dict(
+      hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, num_kv_heads=1,
+      head_dim=8, global_head_dim=8, num_global_kv_heads=1, num_experts=4, top_k_experts=2,
+      moe_intermediate_size=8, moe_tile_size=8, layer_types=()))
+  c.sampler.update(dict(max_new_tokens=num_canvases * canvas_length, max_denoising_steps=3))
+  c.eval.update(dict(every_steps=0, batch_size=4))
+  return c
