@@ -93,7 +93,7 @@ def main(argv):
 
 def sample_text():
   """Reply to --prompt with the checkpoint in --init_from, through the chat task (its template,
-  prompt encoding and stop ids: diffgemma/tasks/chat.py); print the text and a summary."""
+  prompt encoding and stop ids: diffgemma/tasks/chat.py, through the task registry); print the text and a summary."""
   path, text = _INIT_FROM.value, _PROMPT.value
   if not path or text is None:
     raise cli.UserError("text mode needs both --init_from and --prompt")
@@ -106,7 +106,7 @@ def sample_text():
   from diffgemma.io import tokenizer as tokenizer_lib
   from diffgemma.io.safetensors_dir import CheckpointFormatError
   from diffgemma.sampling import sampler
-  from diffgemma.tasks import chat
+  from diffgemma import tasks
 
   try:
     defaults = sampler.SamplerConfig().replace(**_sampler_overrides())
@@ -116,7 +116,7 @@ def sample_text():
   # Everything cheap is checked before the weights load (minutes for a large model).
   hf_config = _read_json(os.path.join(path, "config.json"))
   try:
-    task = chat.checkpoint_task(path, max_new, text, chat=_CHAT.value)
+    task = tasks.checkpoint_text_task(path, max_new, text, chat=_CHAT.value)
     prompts = task.prompt_from_text(text, chat=_CHAT.value)
   except (tokenizer_lib.TokenizerError, CheckpointFormatError, ValueError) as e:
     raise cli.UserError(str(e)) from None

@@ -138,7 +138,7 @@ def build_world(tmp_path_factory):
   tok, layout = task.tokenizer, task.layout
   examples = task.train_examples(0, 6)  # one epoch: every example once
   assert len({(e.source, e.target_ids) for e in examples}) == 6
-  cfg = run_config.model_config(config)
+  cfg = run_config.build(config).model
   params = random_params(cfg)
   b = len(examples)
   k, g = losses.self_conditioning_rows(b, SC_PROB)

@@ -15,6 +15,7 @@ from diffgemma.tasks.base import Layout, Prompts, RlTask, Task
 # name -> module defining `from_config(config, training, planning) -> Task`.
 TASKS = {"sudoku": "diffgemma.tasks.sudoku", "chat": "diffgemma.tasks.chat"}
 DEFAULT_TASK = "sudoku"  # configs written before tasks existed are Sudoku runs
+TEXT_TASK = "chat"  # the task that samples free text from a model checkpoint (sample.py)
 
 
 def task_name(config: ml_collections.ConfigDict) -> str:
@@ -40,4 +41,12 @@ def make_task(config: ml_collections.ConfigDict, training: bool = True,
       config, training and not planning, planning)
 
 
-__all__ = ["Layout", "Prompts", "RlTask", "Task", "TASKS", "make_task", "task_name", "tokenization_keys"]
+def checkpoint_text_task(directory: str, max_new_tokens: int, text: str, chat: bool = True
+                         ) -> Task:
+  """The text task of a model checkpoint directory with its own tokenizer, for sampling a reply
+  to `text`: its template, prompt encoding and stop ids (`TEXT_TASK`'s `checkpoint_task`)."""
+  return importlib.import_module(TASKS[TEXT_TASK]).checkpoint_task(
+      directory, max_new_tokens, text, chat=chat)
+
+
+__all__ = ["Layout", "Prompts", "RlTask", "Task", "TASKS", "checkpoint_text_task", "make_task", "task_name", "tokenization_keys"]
