@@ -26,3 +26,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+
+# The files that take longest (minutes of subprocess training and compiles), in that order: they
+# are collected first, so `--dist loadfile` hands them out first and the short files fill the
+# other worker's time around them instead of one long file ending the run alone.
+LONGEST_FIRST = ("test_lora.py", "test_many_hosts.py", "test_sdrl.py", "test_ablation.py",
+                 "test_quantize.py", "test_checkpoint_io.py", "test_reliability.py",
+                 "test_tokenizer.py", "test_chat_training.py", "test_gpu_suite.py",
+                 "test_training.py", "test_nemo_parity.py", "test_optimized.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within kept
