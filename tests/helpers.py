@@ -42,7 +42,7 @@ def load_script(name):
 def tiny_sudoku_config(workdir_steps=4):
   config = sft_sudoku.get_config()
   config.model.update(dict(
-      vocab_size=16, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
+      vocab_size=16, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
       num_kv_heads=1, head_dim=8, global_head_dim=8, num_global_kv_heads=1, num_experts=4,
       top_k_experts=2, moe_intermediate_size=8, moe_tile_size=8, layer_types=()))
   config.data.prompt_format = "digits"
@@ -60,7 +60,7 @@ def tiny_configs():
   """A tiny SFT config and the SD·RL config on top of it (same model, tiny sampler budgets)."""
   sft = sft_sudoku.get_config()
   sft.model.update({
-      "vocab_size": 16, "hidden_size": 16, "intermediate_size": 24, "num_layers": 2,
+      "vocab_size": 16, "hidden_size": 16, "intermediate_size": 24, "num_layers": 1,
       "num_heads": 2, "num_kv_heads": 1, "head_dim": 8, "global_head_dim": 8,
       "num_global_kv_heads": 1, "num_experts": 4, "top_k_experts": 2,
       "moe_intermediate_size": 8, "moe_impl": "ragged_dot", "layer_types": (),
@@ -263,7 +263,7 @@ def tiny_chat_config(train="", canvas_length=8, num_canvases=2, prompt_len=24, *
   c = make_config(train, canvas_length, prompt_len=prompt_len, num_canvases=num_canvases,
                   num_threads=0, **data)
   c.model.update(dict(
-      hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, num_kv_heads=1,
+      hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2, num_kv_heads=1,
       head_dim=8, global_head_dim=8, num_global_kv_heads=1, num_experts=4, top_k_experts=2,
       moe_intermediate_size=8, moe_tile_size=8, layer_types=()))
   c.sampler.update(dict(max_new_tokens=num_canvases * canvas_length, max_denoising_steps=3))

@@ -27,7 +27,7 @@ from configs import sft_sudoku
 def get_config():
   c = sft_sudoku.get_config()
   c.model.update(dict(
-      vocab_size=16, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
+      vocab_size=16, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
       num_kv_heads=1, head_dim=8, global_head_dim=8, num_global_kv_heads=1, num_experts=4,
       top_k_experts=2, moe_intermediate_size=8, moe_tile_size=8, layer_types=()))
   c.data.prompt_format = "digits"

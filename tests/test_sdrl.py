@@ -25,7 +25,8 @@ from tests.helpers import save_sft_run, setup_of, tiny_configs
 
 
 
-# The loop test's model (two layers: one sliding, one full) for every test: one set of programs.
+# The loop test's model (one full-attention layer: the SD·RL plumbing, not the architecture)
+# for every test: one set of programs.
 CFG = run_config.build(tiny_configs()[1]).model
 
 
