@@ -44,6 +44,56 @@ def test_corruption_touches_only_corruptible_positions():
   assert (noisy[:, 5:] != clean[:, 5:]).mean() > 0.9
 
 
+def test_always_corrupted_positions_are_replaced_at_any_t_and_the_rest_draw_the_same():
+  """`always_BxC` (loss.fill_noise="always"): those positions take the noise token drawn for
+  them even at t near 0; every other position is bitwise what the call without it gives."""
+  rng, t = jax.random.PRNGKey(3), jnp.array([0.01, 0.5, 0.99])
+  clean = jnp.full((3, 64), 7, jnp.int32)
+  always = jnp.arange(64)[None].repeat(3, 0) >= 48
+  plain = diffusion.corrupt(rng, clean, t, 32, "linear")
+  forced = diffusion.corrupt(rng, clean, t, 32, "linear", None, always)
+  np.testing.assert_array_equal(forced[:, :48], plain[:, :48])
+  # The noise tokens are the same draws; a forced position shows its draw (brute force).
+  keep_rng, noise_rng = jax.random.split(rng)
+  noise = jax.random.randint(noise_rng, clean.shape, 0, 32, clean.dtype)
+  np.testing.assert_array_equal(forced[:, 48:], noise[:, 48:])
+
+
+def test_sqrt_noise_levels_are_the_square_roots_of_the_uniform_draws():
+  rng = jax.random.PRNGKey(4)
+  u = np.asarray(diffusion.sample_noise_level(rng, 20000, 1e-3))
+  t = np.asarray(diffusion.sample_noise_level(rng, 20000, 1e-3, "sqrt"))
+  np.testing.assert_allclose(t, np.sqrt(u), rtol=1e-6)
+  assert abs(t.mean() - 2 / 3) < 0.01  # density 2t on (0, 1]: mean 2/3, ~5 sigma at n=20000
+  with pytest.raises(ValueError, match="choose one of"):
+    diffusion.sample_noise_level(rng, 2, 1e-3, "beta")
+
+
+def test_fill_noise_always_corrupts_every_eos_fill_token_of_the_scored_canvas():
+  """sample_draws with loss.fill_noise="always": the scored canvas's EOS fill is noise
+  whatever t is; the reply's tokens are corrupted exactly as under "as_reply"."""
+  cfg = LOSS_CFG
+  layout = Layout(prompt_len=2, num_canvases=2, canvas_length=cfg.canvas_length)
+  c = cfg.canvas_length
+  reply = np.array([[5, 6, 7, cfg.eos_token_id, cfg.eos_token_id, cfg.eos_token_id,
+                     cfg.eos_token_id, cfg.eos_token_id]] * 16, np.int32)
+  tokens = np.concatenate([np.full((16, 2), 3, np.int32), reply], 1)
+  batch = {"tokens": jnp.asarray(tokens), "valid": jnp.ones(tokens.shape, bool),
+           "loss_mask": jnp.asarray(np.arange(tokens.shape[1])[None].repeat(16, 0) >= 2)}
+  rng = jax.random.PRNGKey(5)
+  base = losses.sample_draws(rng, cfg, losses.LossConfig(t_eps=0.5), layout, batch)
+  always = losses.sample_draws(rng, cfg, losses.LossConfig(t_eps=0.5, fill_noise="always"),
+                               layout, batch)
+  np.testing.assert_array_equal(always.canvas_U, base.canvas_U)
+  np.testing.assert_array_equal(always.t_U, base.t_U)
+  clean_UxC = np.stack([reply[0, k * c:(k + 1) * c] for k in np.asarray(base.canvas_U)])
+  fill = clean_UxC == cfg.eos_token_id
+  noisy, plain = np.asarray(always.noisy_UxC), np.asarray(base.noisy_UxC)
+  np.testing.assert_array_equal(noisy[~fill], plain[~fill])
+  # A forced fill token is a uniform draw: it equals EOS with probability 1/V only.
+  assert (noisy[fill] == cfg.eos_token_id).mean() < 0.2 and fill.sum() >= 16
+
+
 def test_sft_loss_matches_hand_computation():
   """Decoder CE recomputed from the model's pieces with the same random draws."""
   cfg = LOSS_CFG

@@ -127,6 +127,8 @@ def _check_loss(config) -> None:
   _check_choice(config, "loss.noise_schedule", diffusion.SCHEDULES)
   _check_choice(config, "loss.decoder_weighting", losses.DECODER_WEIGHTINGS)
   _check_choice(config, "loss.normalization", losses.NORMALIZATIONS)
+  _check_choice(config, "loss.t_distribution", diffusion.T_DISTRIBUTIONS)
+  _check_choice(config, "loss.fill_noise", losses.FILL_NOISES)
   weights = [_get(config, k) for k in ("loss.encoder_weight", "loss.decoder_weight")]
   if _MISSING not in weights and not any(weights):
     raise ValueError("loss.encoder_weight and loss.decoder_weight are both 0: nothing to train")

@@ -22,6 +22,7 @@ ENCODER_SCOPES = ("off", "target", "prompt_and_target")
 CANVAS_SELECTIONS = ("one", "all")
 DECODER_WEIGHTINGS = ("flat", "inverse_t")
 NORMALIZATIONS = ("token", "example")
+FILL_NOISES = ("as_reply", "always")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,12 @@ class LossConfig:
     weighs the same; NeMo AutoModel's reduction) or "example" (each example's token mean, then
     the mean over examples that have scored tokens: a long reply weighs as much as a short
     one; the per-example mean NeMo's recipe notes for the reference's encoder loss).
+  t_distribution: how each row's noise level is drawn, "uniform" U(t_eps, 1) (the report's) or
+    "sqrt" (more t near 1; diffusion.T_DISTRIBUTIONS).
+  fill_noise: the EOS fill after a reply's end (the scored canvas's target tokens equal to the
+    model's eos_token_id): corrupted "as_reply" (at the row's t, the reference) or "always", so
+    the decoder never sees where the fill starts and must place the end from the content, as
+    it must when sampling starts a canvas from pure noise.
   """
 
   encoder_weight: float = 1.0
@@ -48,9 +55,13 @@ class LossConfig:
   decoder_weighting: str = "flat"  # "flat" mean CE, or "inverse_t" (ELBO-style 1/t weight)
   canvas_selection: str = "one"
   normalization: str = "token"
+  t_distribution: str = "uniform"
+  fill_noise: str = "as_reply"
 
   def __post_init__(self):
     for name, choices in (("encoder_scope", ENCODER_SCOPES),
+                          ("t_distribution", diffusion.T_DISTRIBUTIONS),
+                          ("fill_noise", FILL_NOISES),
                           ("canvas_selection", CANVAS_SELECTIONS),
                           ("normalization", NORMALIZATIONS),
                           ("decoder_weighting", DECODER_WEIGHTINGS),
@@ -140,9 +151,12 @@ def sample_draws(rng, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch) -> 
   start_U = p + k_U * c
   clean_UxC = take_canvas(tokens[row_U], start_U, c)
   target_mask_UxC = take_canvas(loss_mask[row_U], start_U, c)
-  t_U = diffusion.sample_noise_level(t_rng, k_U.shape[0], loss_cfg.t_eps)
+  t_U = diffusion.sample_noise_level(t_rng, k_U.shape[0], loss_cfg.t_eps,
+                                     loss_cfg.t_distribution)
+  fill_UxC = (target_mask_UxC & (clean_UxC == cfg.eos_token_id)
+              if loss_cfg.fill_noise == "always" else None)
   noisy_UxC = diffusion.corrupt(noise_rng, clean_UxC, t_U, cfg.vocab_size,
-                                loss_cfg.noise_schedule, target_mask_UxC)
+                                loss_cfg.noise_schedule, target_mask_UxC, fill_UxC)
   return Draws(k_U, t_U, noisy_UxC)
 
 

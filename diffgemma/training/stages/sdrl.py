@@ -369,7 +369,8 @@ def _decoder_logits(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg, b
                         sc_mask_U), inputs
   t_rng, noise_rng = jax.random.split(rng)
   target_UxC = flat(batch["target_BxSxC"])
-  t_U = diffusion.sample_noise_level(t_rng, target_UxC.shape[0], loss_cfg.t_eps)
+  t_U = diffusion.sample_noise_level(t_rng, target_UxC.shape[0], loss_cfg.t_eps,
+                                     loss_cfg.t_distribution)
   noisy_UxC = diffusion.corrupt(noise_rng, target_UxC, t_U, model_cfg.vocab_size,
                                 loss_cfg.noise_schedule)
   logits, sc_logits, sc_mask_U = losses.self_conditioned_logits(
