@@ -314,7 +314,7 @@ def test_resume_refuses_architecture_changes_in_one_line(reference, tmp_path):
   before = open(os.path.join(workdir, "config.json")).read()
   r = run("train.py", *TINY_FLAGS, f"--workdir={workdir}", "--config.model.num_layers=3",
           "--config.optimizer.lr=0.01")
-  one_line_error(r, "cannot resume", "model.num_layers (run: 2, requested: 3)",
+  one_line_error(r, "cannot resume", "model.num_layers (run: 1, requested: 3)",
                  "optimizer.lr (run: 0.003, requested: 0.01)", "new --workdir")
   assert open(os.path.join(workdir, "config.json")).read() == before
 

@@ -474,6 +474,9 @@ def test_gradient_accumulation_equals_one_step_on_the_whole_batch(tmp_path):
 
 def test_lora_sdrl_trains_only_the_adapters(tmp_path):
   sft, config = tiny_configs()
+  # Two layers: the one-layer initial model's rollouts all score alike, so every advantage is 0
+  # and the adapters get no gradient in two steps (the run adopts its init's architecture).
+  sft.model.num_layers = 2
   sft_dir = str(tmp_path / "sft")
   save_sft_run(sft, sft_dir)
   config.lora.update({"enabled": True, "rank": 2, "alpha": 4.0, "base_dtype": "float32"})
