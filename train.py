@@ -6,6 +6,8 @@
   python train.py --config=sdrl_sudoku --workdir=DIR --init_from=SFT_WORKDIR  # SD·RL stage
 
 Rerunning on the same workdir resumes exactly (step, optimizer, data position, RNG).
+SIGTERM or Ctrl-C stops the run at the next step boundary with a checkpoint there (every
+process of a multi-process run at the same step) and exits 0; a second Ctrl-C interrupts.
 """
 
 import math
@@ -15,7 +17,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from diffgemma import cli
-from diffgemma.runs import distributed
+from diffgemma.runs import distributed, preemption
 
 distributed.define_flags()  # --distributed, --coordinator_address, --num_processes, ...
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/NAME.py, or just NAME.")
@@ -48,6 +50,14 @@ def simulate_devices(config) -> None:
 
 def main(argv):
   del argv
+  if _DRY_RUN.value:
+    _main(None)
+    return
+  with preemption.on_signals() as stop:  # from the start: a signal during set-up counts too
+    _main(stop)
+
+
+def _main(stop: preemption.Preemption | None):
   if _CONFIG.value is None:
     raise cli.UserError("--config is required, e.g. --config=sft_sudoku")
   if _DRY_RUN.value:
@@ -67,8 +77,8 @@ def main(argv):
   distributed.check_same_run(_CONFIG.value.to_dict(), {
       "workdir": _WORKDIR.value, "init_from": _INIT_FROM.value,
       "config.*": sorted(overridden)})  # the keys set on the command line
-  loop.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value,
-                   overridden=overridden)
+  loop.train(_CONFIG.value, _WORKDIR.value, init_from=_INIT_FROM.value, overridden=overridden,
+             preemption=stop)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ the single-host code. On CPUs the collectives go through gloo. What else this mo
   same run    `check_same_run`: every process runs the same config, flags and code, else one
               line on every process before any step;
   agree       `agree`: a value decided by process 0 (e.g. the workdir lock's outcome) learned by
-              every process;
+              every process; `agree_any`: a reason any process raised (a stop signal), learned
+              by every process at the same call (so all of them stop at the same step);
   watchdog    each process beats in the coordinator's key-value store; when one stops beating
               (killed, crashed, its machine gone) for `heartbeat_timeout_s`, every other process
               prints one line naming it and exits with LOST_EXIT_CODE: none hangs on a collective.
@@ -148,12 +149,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                process_id: int | None = None,
                heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
   """jax.distributed.initialize (None everywhere: the cluster's auto-detection), gloo
-  collectives on CPUs, one voice, and the watchdog."""
+  collectives on CPUs, no JAX preemption service, one voice, and the watchdog."""
   jax = _jax()
   if heartbeat_timeout_s < 2 * HEARTBEAT_INTERVAL_S:
     raise errors.ConfigError(f"--heartbeat_timeout_s={heartbeat_timeout_s} is too short; use "
                              f">= {int(2 * HEARTBEAT_INTERVAL_S)}")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX's preemption service would take SIGTERM from train.py's handler (and swallow it in
+  # eval.py and sample.py); a stop signal is diffgemma.runs.preemption's, agreed by `agree_any`.
+  jax.config.update("jax_enable_preemption_service", False)
   try:
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                initialization_timeout=INIT_TIMEOUT_S,
@@ -216,6 +220,37 @@ def agree(name: str, decide: Callable[[], str]) -> str:
     client.key_value_set(key, value)
     return value
   return client.blocking_key_value_get(key, INIT_TIMEOUT_S * 1000)
+
+
+_raised: set = set()  # the names this process has posted to agree_any
+
+
+def agree_any(name: str, mine: str) -> str:
+  """A reason any process has raised (a non-empty string: e.g. a stop signal it received), the
+  same on every process; "" while none has. Every process calls it at the same points (e.g.
+  every step boundary). Process 0 decides: its own reason, else one another process posted
+  under `name` (a process that raises posts once, then waits for the decision like the rest),
+  so a reason raised on process 1 after process 0 decided counts at the next call. Costs one
+  key-value round trip per call, no device sync. Single process: `mine`, no store."""
+  if not is_multi_process():
+    return mine
+  client = _client()
+  key = f"{_KEY}/raised/{name}"
+  if mine and _jax().process_index() != 0 and name not in _raised:
+    client.key_value_set(key, mine, allow_overwrite=True)
+    _raised.add(name)
+
+  def decide() -> str:
+    if mine:
+      return mine
+    try:
+      return client.key_value_try_get(key)
+    except Exception as e:  # noqa: BLE001 -- JAX raises a plain error for a missing key
+      if "NOT_FOUND" in str(e):
+        return ""
+      raise
+
+  return agree(name, decide)
 
 
 def fetch(tree):

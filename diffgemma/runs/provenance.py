@@ -8,10 +8,11 @@ host, devices) and, when the loop ended without an error, the step it ended at a
 
   "num_train_steps"    the run reached its last step;
   "max_train_minutes"  it stopped on its wall-clock deadline (with a checkpoint);
-  "stop_at"            the caller asked it to stop early (a simulated preemption).
+  "stop_at"            the caller asked it to stop early (a simulated preemption);
+  "preempted"          a SIGTERM or Ctrl-C stopped it at a step boundary (with a checkpoint).
 
 A run is *finished* when its last invocation ended for one of the first two reasons
-(`finished`); a sweep skips finished runs and resumes the others. Both files are plain JSON,
+(`finished`); a sweep skips finished runs and resumes the others (a preempted run among them). Both files are plain JSON,
 readable by a person and by code.
 """
 
@@ -29,6 +30,7 @@ from diffgemma.runs import distributed
 
 RUN_INFO = "run_info.json"
 NUM_TRAIN_STEPS, MAX_TRAIN_MINUTES, STOP_AT = "num_train_steps", "max_train_minutes", "stop_at"
+PREEMPTED = "preempted"
 FINISHED_REASONS = (NUM_TRAIN_STEPS, MAX_TRAIN_MINUTES)
 # diffgemma/runs/provenance.py -> the repository (or the site-packages of an installed copy).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -171,10 +173,13 @@ def record_start(workdir: str, start_step: int, argv: list[str] | None = None) -
   _save(workdir, info)
 
 
-def stop_reason(step: int, num_train_steps: int, timed_out: bool) -> str:
+def stop_reason(step: int, num_train_steps: int, timed_out: bool,
+                preempted: bool = False) -> str:
   """Why a training loop that ended normally at `step` stopped (see the module docstring)."""
   if step >= num_train_steps:
     return NUM_TRAIN_STEPS
+  if preempted:
+    return PREEMPTED
   return MAX_TRAIN_MINUTES if timed_out else STOP_AT
 
 
@@ -208,7 +213,8 @@ def running(workdir: str) -> dict | None:
 
 def finished(workdir: str) -> dict | None:
   """The last invocation if it ended finished (num_train_steps or max_train_minutes), else
-  None: a run that never started, is running, crashed, or was stopped early (stop_at)."""
+  None: a run that never started, is running, crashed, or was stopped early (stop_at,
+  preempted)."""
   invocations = load_run_info(workdir)["invocations"]
   if invocations and invocations[-1].get("stop_reason") in FINISHED_REASONS:
     return invocations[-1]

@@ -5,7 +5,7 @@
 
 Sections: configuration (everything checked before anything is written), state (new or
 restored), the loop (update step, logging, periodic evaluation through the task, checkpoints,
-deadline, the non-finite guard), and the close.
+deadline, preemption, the non-finite guard), and the close.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from diffgemma.model import lora, sharding
 from diffgemma.runs import (
   checkpointing,
   distributed,
+  preemption as preemption_lib,
   provenance,
   resume_config,
   run_config,
@@ -190,7 +191,8 @@ def _close(bar, mngr, writer, failed: bool = False) -> None:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None = None,
-          stop_at: int | None = None, overridden=None) -> dict:
+          stop_at: int | None = None, overridden=None,
+          preemption: preemption_lib.Preemption | None = None) -> dict:
   """Train (or resume) in `workdir`; returns the last logged metrics.
 
   `stop_at` ends this invocation early at that step (with a checkpoint), as a preemption would;
@@ -198,18 +200,40 @@ def train(config: ml_collections.ConfigDict, workdir: str, init_from: str | None
   starts a new run from a checkpoint directory's parameters; a LoRA run (lora.enabled) trains
   adapters on that base. An SD·RL config (an `sdrl` section) runs the SD·RL stage.
   `overridden`: the config keys set on the command line (see `prepare_config`). One trainer
-  per workdir (`workdir_lock`).
+  per workdir (`workdir_lock`). `preemption` (train.py's SIGTERM / Ctrl-C flag): when it is
+  set, on any process, every process stops at the same next step boundary with a checkpoint
+  there, and the call returns normally after one line saying how to resume.
   """
   # ---------------------------------------------------------------- configuration
   check_init_from(init_from, workdir)
   config, run, task, start_step, changes = prepare_config(config, workdir, init_from,
                                                           overridden=overridden)
   with workdir_lock.hold(workdir):  # every process of a multi-process run: process 0's lock
-    return _train(config, run, task, workdir, start_step, changes, init_from, stop_at)
+    return _train(config, run, task, workdir, start_step, changes, init_from, stop_at,
+                  preemption)
+
+
+def _agreed_stop(step: int, stop_at, end_time, preemption) -> str:
+  """Why the loop stops after boundary `step` ("": it goes on), the same on every process:
+  stop_at (every process computes the same), else a stop signal one process received
+  ("preempted:SIGTERM") or process 0's wall-clock deadline, agreed through
+  `distributed.agree_any` (one key-value round trip per boundary, no device sync; none in a
+  single-process run)."""
+  if stop_at is not None and step >= stop_at:
+    return provenance.STOP_AT
+  if preemption is None and end_time is None:
+    return ""  # nothing that could differ between processes
+  if preemption is not None and preemption.requested:
+    mine = f"{provenance.PREEMPTED}:{preemption.signal_name}"
+  elif end_time is not None and time.time() > end_time:
+    mine = provenance.MAX_TRAIN_MINUTES
+  else:
+    mine = ""
+  return distributed.agree_any("stop", mine)
 
 
 def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: Task, workdir: str,
-           start_step, changes, init_from, stop_at) -> dict:
+           start_step, changes, init_from, stop_at, preemption) -> dict:
   """The run itself; `config` is only written to the workdir (config.json), `run` is read."""
   if start_step is not None and init_from:
     print(f"resuming {workdir}: --init_from applies only to a new run")
@@ -273,7 +297,7 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   window_start, window_steps = time.perf_counter(), 0
   bar = tqdm(total=train_cfg.num_train_steps, initial=start_step, desc=stage.name, unit="step",
              dynamic_ncols=True, disable=not distributed.primary())
-  step, timed_out = start_step, False
+  step, stop = start_step, ""
   try:
     while step < train_cfg.num_train_steps:
       batch, new_host_metrics = stage.next_batch(step, state, frozen)
@@ -297,8 +321,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
         bar.set_postfix(stage.progress_fields(metrics))
         last.update(metrics)
       boundary = stage.is_boundary(step)
-      timed_out = boundary and end_time is not None and time.time() > end_time
-      stopping = timed_out or (boundary and stop_at is not None and step >= stop_at)
+      stop = _agreed_stop(step, stop_at, end_time, preemption) if boundary else ""
+      stopping = bool(stop)
       if eval_prompts is not None and (step % eval_cfg.every_steps == 0 or final or stopping):
         last.update(evaluate_and_log(step, eval_params(state, frozen, lora_cfg), task, model_cfg,
                                      eval_sampler_cfg, eval_prompts, eval_cfg.batch_size,
@@ -306,7 +330,7 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
         window_start, window_steps = time.perf_counter(), 0  # eval time is not throughput
       if boundary and (step % train_cfg.checkpoint_every == 0 or final or stopping):
         checkpoint(step)
-      if timed_out:
+      if stop == provenance.MAX_TRAIN_MINUTES:
         tqdm.write(f"stopping at step {step}: max_train_minutes={train_cfg.max_train_minutes} "
                    "reached")
       if stopping:
@@ -314,7 +338,11 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   except BaseException:  # the loop's own error is the one the user sees
     _close(bar, mngr, writer, failed=True)
     raise
-  _close(bar, mngr, writer)
-  provenance.record_end(workdir, step, provenance.stop_reason(step, train_cfg.num_train_steps,
-                                                              timed_out))
+  _close(bar, mngr, writer)  # the checkpoint at `step` is complete
+  preempted = stop.startswith(provenance.PREEMPTED)
+  provenance.record_end(workdir, step, provenance.stop_reason(
+      step, train_cfg.num_train_steps, stop == provenance.MAX_TRAIN_MINUTES, preempted))
+  if preempted and step < train_cfg.num_train_steps:
+    print(f"stopped at step {step} on {stop.partition(':')[2]}: checkpoint saved in "
+          f"{checkpointing.checkpoint_dir(workdir)}; rerun the same command to resume")
   return last
