@@ -15,7 +15,9 @@ The launcher exits with the first non-zero exit status (a process killed by sign
 128+S), or 0 when every process ended with 0. After the first failure the others get
 --grace_s seconds to stop on their own (a multi-process run stops when one of its processes is
 lost, with one line naming it); then they are killed. Ctrl-C (SIGINT) and SIGTERM are passed on
-to every process.
+to every process, once: the processes run in their own process group, so a Ctrl-C in the
+terminal reaches them only through the launcher (train.py then stops every process at the same
+step with a checkpoint and exits 0; a second Ctrl-C interrupts).
 """
 
 from __future__ import annotations
@@ -86,16 +88,6 @@ def launch(command: list[str], count: int, devices: int = 1, platform: str = "cp
   if not os.path.isfile(script) and os.path.isfile(os.path.join(ROOT, script)):
     script = os.path.join(ROOT, script)
   children, pumps = [], []
-  for index in range(count):
-    child = subprocess.Popen([sys.executable, script, *command[1:]],
-                             env=process_env(index, count, devices, platform, coordinator),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    children.append(child)
-    print(f"[launch] process {index}: pid {child.pid}", file=sys.stderr, flush=True)
-    for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-      pump = threading.Thread(target=_pump, args=(stream, out, f"[{index}] "), daemon=True)
-      pump.start()
-      pumps.append(pump)
 
   def forward(signum, frame):
     del frame
@@ -103,8 +95,22 @@ def launch(command: list[str], count: int, devices: int = 1, platform: str = "cp
       if child.poll() is None:
         child.send_signal(signum)
 
+  # Before the first start: the children run in their own process group, so a signal that
+  # killed the launcher would not reach them.
   signal.signal(signal.SIGINT, forward)
   signal.signal(signal.SIGTERM, forward)
+  for index in range(count):
+    child = subprocess.Popen([sys.executable, script, *command[1:]],
+                             env=process_env(index, count, devices, platform, coordinator),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             process_group=0)  # the terminal's Ctrl-C comes through `forward`
+    children.append(child)
+    print(f"[launch] process {index}: pid {child.pid}", file=sys.stderr, flush=True)
+    for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+      pump = threading.Thread(target=_pump, args=(stream, out, f"[{index}] "), daemon=True)
+      pump.start()
+      pumps.append(pump)
+
   first_failure, deadline = None, None
   while [child.poll() for child in children].count(None):  # poll every child, each round
     if first_failure is None:
