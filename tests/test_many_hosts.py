@@ -277,3 +277,76 @@ def test_a_busy_workdir_is_refused_on_every_process(tmp_path):
     assert p.returncode == 2, stderr
     lines = [l for l in stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: workdir {workdir} is in use"), stderr
+
+
+def wait_for_invocations(workdir, count, proc):
+  """Until the workdir's run_info.json records `count` invocations: the last one has set up its
+  stop handler (train.py does that first) and is on its way to its first step (compiling)."""
+  from diffgemma.runs import provenance
+
+  deadline = time.monotonic() + RUN_TIMEOUT_S
+  while len(provenance.load_run_info(workdir)["invocations"]) < count:
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.005)
+
+
+def assert_preempted_at(workdir, step, stdout, prefix=""):
+  """The checkpoint at `step` is the newest, run_info says why, and the one line says how to
+  resume."""
+  from diffgemma.runs import provenance
+
+  assert checkpointing.steps_on_disk(workdir) == [step, EVERY]  # one new checkpoint
+  invocation = provenance.load_run_info(workdir)["invocations"][-1]
+  assert (invocation["end_step"], invocation["stop_reason"]) == (step, provenance.PREEMPTED)
+  lines = [l for l in stdout.splitlines() if "stopped at" in l]
+  assert lines == [f"{prefix}stopped at step {step} on SIGTERM: checkpoint saved in "
+                   f"{checkpointing.checkpoint_dir(workdir)}; rerun the same command to "
+                   "resume"], stdout[-2000:]
+
+
+def test_sigterm_stops_a_run_at_the_step_in_flight_and_a_rerun_resumes(reference, tmp_path):
+  """SIGTERM to a run resumed from step EVERY, while it sets up: it trains the step in flight,
+  saves it (not a periodic step), exits 0 with one line; the rerun ends where the uninterrupted
+  run ends, bitwise."""
+  workdir = without_steps_after(reference, EVERY, tmp_path / "run")
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+  proc = subprocess.Popen([sys.executable, "train.py", *FLAGS, f"--workdir={workdir}"],
+                          cwd=ROOT, env=env(XLA_FLAGS=flags.strip()), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    wait_for_invocations(workdir, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  assert proc.returncode == 0, stderr[-3000:]
+  assert_preempted_at(workdir, EVERY + 1, stdout)
+  out = train_one_process(workdir)
+  assert f"resumed from step {EVERY + 1}" in out.stdout
+  assert_same_state(workdir, reference)
+
+
+def test_sigterm_to_the_launcher_stops_both_processes_at_one_step(reference, tmp_path):
+  """The launcher passes SIGTERM on to both processes; they agree on the stop step, save one
+  checkpoint together and exit 0; a rerun of the same launch resumes and matches."""
+  workdir = without_steps_after(reference, EVERY, tmp_path / "run")
+  proc = subprocess.Popen([sys.executable, "scripts/launch_local.py", "--num_processes=2", "--",
+                           "train.py", *FLAGS, f"--workdir={workdir}",
+                           f"--heartbeat_timeout_s={HEARTBEAT_S}"], cwd=ROOT, env=env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    wait_for_invocations(workdir, 2, proc)  # process 0 writes it after both hold the lock
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  assert proc.returncode == 0, stderr[-3000:]  # both processes exited 0
+  assert_preempted_at(workdir, EVERY + 1, stdout, prefix="[0] ")
+  out = launch(workdir, 2)
+  assert f"[0] resumed from step {EVERY + 1}" in out.stdout
+  assert_same_state(workdir, reference)
