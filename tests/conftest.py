@@ -6,14 +6,18 @@ Many tests build the same tiny programs (a train step per `loop.train` call, the
 suite's time. The cache is set through the environment before jax is imported, so the CLI
 subprocesses some tests start share it too; it lives in a temporary directory removed at exit,
 so no run sees another run's executables. For the same reason `jax_disable_most_optimizations`
-is on, through the environment too: XLA's CPU optimisation passes cost far more compile time
-than these tiny programs run, and no test measures speed (tolerances compare values, and an
-unoptimised program only rounds closer to the order the code states). tests/test_optimized.py
+is on, through the environment too, and XLA:CPU's faster-compiling emitters (below): XLA's CPU
+optimisation passes cost far more compile time than these tiny programs run, and no test
+measures speed (tolerances compare values, and an unoptimised program only rounds closer to
+the order the code states). tests/test_optimized.py
 runs a subset (parity, resume, two devices) on optimised programs in every run; a test command
 with JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the whole suite on them.
 """
 
 import atexit
+import glob
+import importlib.util
+import mmap
 import os
 import shutil
 import tempfile
@@ -25,6 +29,36 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE_DIR)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+# XLA:CPU's fusion emitters compile these tiny programs about twice as slowly as its elemental
+# emitters (measured on the tiny train step: 4.5 s against 2.3 s, benchmarks/RESULTS.md), and
+# a suite of subprocess trainings is mostly compiles. Set only where the installed jaxlib
+# knows the flag (XLA aborts on an unknown one); tests/test_optimized.py, which checks the
+# programs users run, sets its own XLA_FLAGS without it.
+FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _jaxlib_knows(flag: str) -> bool:
+  """Whether a shared library of the installed jaxlib names `flag` (without importing jax)."""
+  spec = importlib.util.find_spec("jaxlib")
+  if spec is None or not spec.submodule_search_locations:
+    return False
+  name = flag.lstrip("-").split("=")[0].encode()
+  for path in glob.glob(os.path.join(spec.submodule_search_locations[0], "**", "*.so"),
+                        recursive=True):
+    with open(path, "rb") as f:
+      try:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+          if data.find(name) >= 0:
+            return True
+      except ValueError:  # an empty file
+        continue
+  return False
+
+
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "") and \
+    _jaxlib_knows(FAST_COMPILE_FLAG):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
 
 
 # The files that take longest (minutes of subprocess training and compiles), in that order: they

@@ -493,7 +493,7 @@ def test_lora_sdrl_trains_only_the_adapters(tmp_path):
 
 _ONE_AND_TWO_DEVICES = """
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
 from diffgemma.runs import training_state
