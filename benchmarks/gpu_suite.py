@@ -149,7 +149,7 @@ def model_configs(smoke: bool) -> tuple[ModelConfig, dict]:
   if smoke:
     # Every section's code once, at CPU size: where two settings run the same suite code, only
     # one of them (the kernels themselves are tested in tests/).
-    cfg = cfg.replace(**{**kernel_bench.SMOKE_OVERRIDES, "canvas_length": 16}, num_layers=2,
+    cfg = cfg.replace(**{**kernel_bench.SMOKE_OVERRIDES, "canvas_length": 16}, num_layers=1,
                       layer_types=())
     shapes = {"prefix": 32, "new_tokens": 32, "batches": (2,), "kernel_batches": (1,),
               "steps_per_canvas": 2, "generate_kernels": (True,),

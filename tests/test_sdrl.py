@@ -531,7 +531,7 @@ def test_dry_run_plans_the_rollout_and_the_update_on_two_devices():
   """`train.py --dry_run` of an SD·RL config compiles both of its programs on a simulated mesh."""
   from tests.helpers import run
   r = run("train.py", "--config=sdrl_sudoku", "--dry_run", "--dry_run_devices=2",
-          "--config.model.num_layers=2", "--config.model.layer_types=()")
+          "--config.model.num_layers=1", "--config.model.layer_types=()")
   assert r.returncode == 0, r.stderr[-3000:]
   out = r.stdout
   assert "dry run: 2 devices" in out, out
