@@ -29,6 +29,7 @@ line per swept key; diffgemma/tools/compare.py) and sweep.json (every point's me
 """
 
 import json
+import sys
 import os
 
 from absl import flags
@@ -117,6 +118,8 @@ def main(argv):
     config = _CONFIG.value or cli.load_named_config("sft_sudoku")
     run = loaded.open_checkpoint(_INIT_FROM.value, config, eval_overrides=eval_overrides(),
                                **overrides)
+  if run.untrained_ar_head():
+    print(run.untrained_ar_head(), file=sys.stderr)
   prompts = run.task.load_eval_file(_DATA.value, _LIMIT.value)  # checked before the weights
   if not len(prompts):
     raise cli.UserError(f"no examples in {_DATA.value}")

@@ -21,6 +21,7 @@ and `--sampler.KEY=VALUE` for any sampler field (diffgemma.sampling.sampler.Samp
 import json
 import os
 import statistics
+import sys
 import time
 
 from absl import flags
@@ -278,6 +279,8 @@ def sample_run():
   from diffgemma.sampling import sampler
 
   run = loaded.open_run(_WORKDIR.value, **{**_sampler_overrides(), "record_trajectory": True})
+  if run.untrained_ar_head():
+    print(run.untrained_ar_head(), file=sys.stderr)
   prompts = run.task.prompt_from_text(text)  # checked before the weights load
   if _TRACE.value:
     from diffgemma.sampling import traces

@@ -106,3 +106,23 @@ def test_fallback_config_checks():
   with pytest.raises(ValueError, match="ar_fallback_after_steps"):
     sampler.SamplerConfig(max_denoising_steps=4, ar_fallback="entropy",
                           ar_fallback_after_steps=5)
+
+
+def test_ar_on_a_run_that_never_trained_the_encoder_head_warns(tmp_path):
+  """eval.py and sample.py print one warning line when AR decoding (or AR fallback) would read
+  an encoder next-token head the run never trained; a trained head or plain diffusion: none."""
+  from diffgemma.runs import loaded
+  from tests.helpers import save_sft_run, tiny_sudoku_config
+
+  config = tiny_sudoku_config()
+  assert config.loss.encoder_weight == 0  # the Sudoku default trains the decoder only
+  save_sft_run(config, str(tmp_path / "decoder_only"))
+  config.loss.encoder_weight = 1.0
+  save_sft_run(config, str(tmp_path / "both"))
+  untrained = str(tmp_path / "decoder_only")
+  for overrides in ({"mode": "ar"}, {"ar_fallback": "unconverged"}):
+    line = loaded.open_run(untrained, **overrides).untrained_ar_head()
+    assert line.startswith(f"warning: {untrained} never trained the encoder's next-token head")
+    assert "\n" not in line
+  assert loaded.open_run(untrained).untrained_ar_head() is None
+  assert loaded.open_run(str(tmp_path / "both"), mode="ar").untrained_ar_head() is None

@@ -35,6 +35,21 @@ class Run:
   params: dict | None = None
   step: int | None = None
 
+  def untrained_ar_head(self) -> str | None:
+    """One warning line when the sampler decodes left to right (`mode="ar"` or an AR fallback)
+    through an encoder next-token head this run never trained (`loss.encoder_weight=0` and no
+    `init_from` that could have brought a trained one), else None. Such a head writes near
+    chance (benchmarks/RESULTS.md: AR on the Sudoku default keeps 10% of the givens)."""
+    uses_ar = (self.sampler_cfg.mode == sampler.AR
+               or self.sampler_cfg.ar_fallback != sampler.FALLBACK_OFF)
+    if not uses_ar or not self.is_workdir or self.run_cfg.init_from:
+      return None
+    if self.run_cfg.loss.uses_encoder_loss:
+      return None
+    return (f"warning: {self.source} never trained the encoder's next-token head "
+            "(loss.encoder_weight=0 or encoder_scope=off), which AR decoding and AR fallback "
+            "read; expect near-chance AR tokens (train with loss.encoder_weight > 0)")
+
   def load(self) -> Run:
     """Read the parameters (a workdir's latest checkpoint; a LoRA run's adapters merged into
     its base), once."""
