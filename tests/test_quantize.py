@@ -225,4 +225,11 @@ def test_quantized_base_bytes_and_sharding_axes():
   q = jax.eval_shape(lambda w: quantize.quantize_weight(w, (1, 1), quantize.QuantizeConfig(
       "int4", group_size=16)), experts)
   assert q.scale.shape == (cfg.num_experts, cfg.hidden_size // 16, experts.shape[2])
+  # The same names from the tree's own key paths (dataclass fields), so an FSDP mesh splits a
+  # quantized base instead of replicating it.
+  mesh = jax.sharding.AbstractMesh((1, 2, 1, 1), sharding.MESH_AXES)
+  specs = sharding.tree_shardings({"layers": [{"experts": {"gate_up": q}}]}, mesh,
+                                  sharding.DEFAULT_RULES)["layers"][0]["experts"]["gate_up"]
+  assert specs.qvalue.spec == jax.sharding.PartitionSpec(None, "fsdp", None)
+  assert specs.scale.spec == jax.sharding.PartitionSpec(None, "fsdp", None)
   assert quantize.bits_per_value(jnp.int4) == 4

@@ -119,8 +119,9 @@ def linear_layout(path: str) -> tuple[int, int] | None:
 
 
 def dotted(path) -> str:
-  """A jax key path as "layers.3.attn.q"."""
-  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+  """A jax key path as "layers.3.attn.q" (a dataclass field, e.g. a quantized weight's values,
+  as "layers.3.attn.q.qvalue")."""
+  return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def is_weight(x) -> bool:
