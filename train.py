@@ -32,6 +32,12 @@ _DRY_RUN = flags.DEFINE_bool(
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
     "dry_run_devices", None, "Devices to simulate on the CPU for --dry_run (default: the "
     "product of the config's fixed sharding axes).")
+_GRACE_S = flags.DEFINE_float(
+    "preemption_grace_s", preemption.DEFAULT_GRACE_S, "Seconds after SIGTERM or Ctrl-C within "
+    "which the run must have stopped with a checkpoint; set it to the scheduler's grace period "
+    "(SLURM KillWait, Kubernetes terminationGracePeriodSeconds). If a step and its save take "
+    "longer, the run ends with one line naming the last complete checkpoint (exit status 5). "
+    "0: no limit.")
 
 
 def simulate_devices(config) -> None:
@@ -53,8 +59,21 @@ def main(argv):
   if _DRY_RUN.value:
     _main(None)
     return
-  with preemption.on_signals() as stop:  # from the start: a signal during set-up counts too
+  # From the start: a signal during set-up counts too.
+  with preemption.on_signals(grace_s=_GRACE_S.value, on_expired=_grace_expired) as stop:
     _main(stop)
+
+
+def _grace_expired() -> str:
+  """The line for a stop that outlived --preemption_grace_s (run on the watcher thread)."""
+  from diffgemma.runs import checkpointing
+
+  workdir = _WORKDIR.value or ""
+  step = checkpointing.latest_step(workdir) if workdir and os.path.isdir(workdir) else None
+  last = (f"the last complete checkpoint is step {step} in {checkpointing.checkpoint_dir(workdir)}"
+          if step is not None else "no checkpoint was complete")
+  return (f"the stop did not finish within --preemption_grace_s={_GRACE_S.value:g}; {last}; "
+          "rerun the same command to resume from it (or raise --preemption_grace_s)")
 
 
 def _main(stop: preemption.Preemption | None):

@@ -350,3 +350,32 @@ def test_sigterm_to_the_launcher_stops_both_processes_at_one_step(reference, tmp
   out = launch(workdir, 2)
   assert f"[0] resumed from step {EVERY + 1}" in out.stdout
   assert_same_state(workdir, reference)
+
+
+def test_a_stop_that_outlives_the_grace_period_ends_with_one_line(reference, tmp_path):
+  """SIGTERM while the resumed run compiles, with a grace period shorter than the compile: the
+  watcher ends the process (exit status 5) with one line naming the last complete checkpoint,
+  before a scheduler's SIGKILL would; nothing new is written."""
+  from diffgemma.runs import preemption
+
+  workdir = without_steps_after(reference, EVERY, tmp_path / "run")
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+  proc = subprocess.Popen([sys.executable, "train.py", *FLAGS, f"--workdir={workdir}",
+                           "--preemption_grace_s=0.01"], cwd=ROOT,
+                          env=env(XLA_FLAGS=flags.strip()), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    wait_for_invocations(workdir, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  assert proc.returncode == preemption.GRACE_EXPIRED_EXIT_CODE, stderr[-3000:]
+  # (after process 0's progress bar, which has no newline of its own)
+  assert ["error:" + l.split("error:", 1)[1] for l in stderr.splitlines() if "error:" in l] == [
+      "error: the stop did not finish within --preemption_grace_s=0.01; the last complete "
+      f"checkpoint is step {EVERY} in {checkpointing.checkpoint_dir(workdir)}; rerun the same "
+      "command to resume from it (or raise --preemption_grace_s)"], stderr[-2000:]
+  assert checkpointing.steps_on_disk(workdir) == [EVERY]
