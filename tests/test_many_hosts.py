@@ -148,10 +148,10 @@ def assert_close_state(workdir, reference, rtol, atol, steps=STEPS):
                                err_msg=jax.tree_util.keystr(path))
 
 
-def test_a_two_process_checkpoint_continues_in_four_processes(reference, two_process_run,
+def test_a_two_process_checkpoint_continues_in_four_processes_and_back_in_two(reference, two_process_run,
                                                                tmp_path):
-  """2 processes -> 4 (one device each, fsdp=4): every process restores its quarter of the
-  2-way sharded checkpoint and the run ends where the uninterrupted 2-device run ends, within
+  """2 processes -> 4 (one device each, fsdp=4) -> 2: every process restores its share of the
+  other mesh's checkpoint and the run ends where the uninterrupted 2-device run ends, within
   float32 rounding of the 4-way reductions."""
   path, _ = two_process_run
   to_four = without_steps_after(path, EVERY, tmp_path / "to_four")
@@ -160,6 +160,11 @@ def test_a_two_process_checkpoint_continues_in_four_processes(reference, two_pro
   # Float32 rounding of the reductions, carried through 6 AdamW steps: measured at most 6e-8
   # in the parameters and 7.5e-9 in the optimizer state; the bounds leave a 15x margin.
   assert_close_state(to_four, reference, rtol=1e-5, atol=1e-6)
+  # 4 -> 2: the 4-process run's checkpoint at step 2 * EVERY continues in 2 processes.
+  to_two = without_steps_after(to_four, 2 * EVERY, tmp_path / "to_two")
+  out = launch(to_two, 2)
+  assert f"[0] resumed from step {2 * EVERY}" in out.stdout
+  assert_close_state(to_two, reference, rtol=1e-5, atol=1e-6)
 
 
 LORA_STEPS = 3
