@@ -61,6 +61,7 @@ _KEY = "diffgemma"  # the key-value store's namespace
 DONE, FAILED = "done", "failed"  # a heartbeat's last value
 # On its own error, process 0 (whose store the others read) waits this long for them to end.
 SETTLE_S = 5.0
+JOIN_S = 10.0  # at exit, the longest wait for the watchdog's beat in flight to return
 
 
 
@@ -344,12 +345,21 @@ class _Watchdog(threading.Thread):
     self.index, self.count = jax.process_index(), jax.process_count()
     self.client = _client()
     self.stopping = False  # this process is ending on its own error: report nothing else
+    self.ended = threading.Event()  # no more beats: this process is ending
     atexit.register(self.finish)  # runs before jax's own shutdown (registered earlier)
     _watchdog["current"] = self
 
   def finish(self, state: str = DONE) -> None:
     """This process ended (DONE: normally, FAILED: with an error line of its own); the others
-    do not report a DONE process as lost."""
+    do not report a DONE process as lost.
+
+    The beats stop first, and at exit the thread is joined before the state is written: a beat
+    after it would overwrite DONE, and a beat still running when JAX shuts the coordinator down
+    (or while the interpreter finalizes, which aborts a daemon thread that is inside a gRPC
+    call) would end a run that finished cleanly with an error."""
+    self.ended.set()
+    if threading.current_thread() is not self and self.is_alive():
+      self.join(JOIN_S)
     try:
       self.client.key_value_set(self._key(self.index), state, allow_overwrite=True)
     except Exception:  # noqa: BLE001 -- the coordinator may be gone already
@@ -360,19 +370,23 @@ class _Watchdog(threading.Thread):
 
   def run(self) -> None:
     beat, seen = 0, {}
-    while True:
+    while not self.ended.is_set():
       beat += 1
       now = time.monotonic()
       try:
         self.client.key_value_set(self._key(self.index), str(beat), allow_overwrite=True)
       except Exception as e:  # noqa: BLE001 -- the coordinator's store is unreachable
+        if self.ended.is_set():
+          return
         lost(f"{_describe(0)} is unreachable ({errors.one_line(e)[:120]})")
       for other in range(self.count):
-        if other == self.index:
+        if other == self.index or self.ended.is_set():
           continue
         try:
           value = self.client.key_value_try_get(self._key(other))
         except Exception as e:  # noqa: BLE001
+          if self.ended.is_set():
+            return
           if "NOT_FOUND" not in str(e):
             lost(f"{_describe(0)} is unreachable ({errors.one_line(e)[:120]})")
           value = None  # it has not beaten yet
@@ -386,7 +400,7 @@ class _Watchdog(threading.Thread):
         elif now - last[1] > self.timeout_s:
           lost(f"{_describe(other)} is gone: not heard from for {self.timeout_s} s (killed, "
                "crashed, or its host is down)")
-      time.sleep(HEARTBEAT_INTERVAL_S)
+      self.ended.wait(HEARTBEAT_INTERVAL_S)
 
   def others_settled(self) -> bool:
     """Whether every other process has ended (done or failed)."""
