@@ -69,7 +69,7 @@ def _grace_expired() -> str:
   from diffgemma.runs import checkpointing
 
   workdir = _WORKDIR.value or ""
-  step = checkpointing.latest_step(workdir) if workdir and os.path.isdir(workdir) else None
+  step = checkpointing.latest_step(workdir) if workdir else None
   last = (f"the last complete checkpoint is step {step} in {checkpointing.checkpoint_dir(workdir)}"
           if step is not None else "no checkpoint was complete")
   return (f"the stop did not finish within --preemption_grace_s={_GRACE_S.value:g}; {last}; "

@@ -56,7 +56,7 @@ def load_named_config(name: str):
 
 
 def fail(message: str, code: int = 2):
-  print(f"error: {message}", file=sys.stderr)
+  errors.print_error(message)
   from diffgemma.runs import distributed  # local: a leaf for flag parsing
 
   if distributed.is_multi_process():

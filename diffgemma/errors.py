@@ -26,3 +26,14 @@ def one_line(e: BaseException) -> str:
   text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().strip('"')
   lines = text.splitlines()
   return lines[0] if lines else type(e).__name__
+
+
+def print_error(message: str) -> None:
+  """Print 'error: MESSAGE' on stderr, on a line of its own: a progress bar still drawn there
+  ends with a carriage return, not a newline, and would otherwise swallow the line."""
+  import sys
+
+  tqdm_module = sys.modules.get("tqdm")
+  bars_open = tqdm_module is not None and len(getattr(tqdm_module.tqdm, "_instances", ())) > 0
+  sys.stderr.write(("\n" if bars_open else "") + f"error: {message}\n")
+  sys.stderr.flush()

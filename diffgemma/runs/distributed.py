@@ -428,8 +428,8 @@ def lost(reason: str) -> None:
   with _lost:
     watchdog.finish(FAILED)  # a process waiting for this one to settle need not wait
     sys.stdout.flush()
-    print(f"error: {reason}; stopping process {_jax().process_index()}. Rerun the same "
-          "command to resume from the last complete checkpoint", file=sys.stderr, flush=True)
+    errors.print_error(f"{reason}; stopping process {_jax().process_index()}. Rerun the same "
+                       "command to resume from the last complete checkpoint")
     os._exit(LOST_EXIT_CODE)
 
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 from typing import Callable
+
+from diffgemma import errors
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEFAULT_GRACE_S = 30.0
@@ -66,7 +67,7 @@ def _watch(stop: Preemption, grace_s: float, on_expired: Callable[[], str]) -> N
       return
   if stop.closed.wait(grace_s):
     return
-  print(f"error: {on_expired()}", file=sys.stderr, flush=True)
+  errors.print_error(on_expired())
   os._exit(GRACE_EXPIRED_EXIT_CODE)  # the main thread may sit in a step or a collective
 
 
