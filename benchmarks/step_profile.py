@@ -12,7 +12,9 @@ For the config's SFT update step (batch, model and objective as configured) it p
   bfloat16);
 - from a profiler trace of `--trace_steps` steps: the time of each class of compiled operation
   (matmul fusions, reductions, gathers / scatters, copies, elementwise fusions, ...), their
-  count per step, and the idle gap: step wall time minus the time any operation was running.
+  count per step, and the idle gap: step wall time minus the time any operation was running;
+  and the time of each part of the step (attention, MoE, dense MLP, the self-conditioning pass,
+  LM head, optimizer, ...), read from the named scopes in the operations' metadata.
 With --compare="KEY=VALUE,KEY=VALUE;KEY=VALUE" it also times each variant (config overrides,
 variants separated by ';') against the config itself, their steps interleaved round-robin in
 one process so that a machine whose speed drifts affects all alike, and prints the ratios.
@@ -128,6 +130,28 @@ def operation_classes(hlo_text: str) -> dict:
   return classes
 
 
+# The named scopes of the model, the loss and the update step, most specific first: an
+# operation belongs to the first that its op_name holds (the self-conditioning pass's MoE is
+# the pass's).
+REGIONS = ("optimizer", "forward_process", "self_conditioning_pass", "self_conditioning", "moe",
+           "attention", "dense_mlp", "lm_head", "embedding")
+
+
+def operation_regions(hlo_text: str) -> dict:
+  """{instruction name: region} from each instruction's op_name metadata (its named scopes);
+  "other" for what no scope covers (the loss, norms between blocks, layout changes)."""
+  patterns = [(region, re.compile(rf"\b{region}\b")) for region in REGIONS]
+  regions = {}
+  for line in hlo_text.splitlines():
+    name = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    if name:
+      text = op_name.group(1) if op_name else ""
+      regions[name.group(1)] = next((r for r, pattern in patterns if pattern.search(text)),
+                                    "other")
+  return regions
+
+
 def _class_name(op: str) -> str:
   if op in ("dot", "convolution", "custom-call"):
     return "matmul" if op != "custom-call" else "custom call"
@@ -140,9 +164,9 @@ def _class_name(op: str) -> str:
   return "elementwise"
 
 
-def trace_operations(step_fn, state, batches, classes):
+def trace_operations(step_fn, state, batches, classes, regions):
   """Profile `batches` steps; returns (wall s per step, {class: (s per step, ops per step)},
-  busy s per step)."""
+  {region: (s per step, ops per step)}, busy s per step, state)."""
   directory = tempfile.mkdtemp(prefix="step_profile_")
   jax.profiler.start_trace(directory)
   start = time.perf_counter()
@@ -154,6 +178,7 @@ def trace_operations(step_fn, state, batches, classes):
   data = jax_profiler.ProfileData.from_file(
       glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)[-1])
   per_class = collections.defaultdict(lambda: [0.0, 0])
+  per_region = collections.defaultdict(lambda: [0.0, 0])
   intervals = []
   for plane in data.planes:
     for line in plane.lines:
@@ -168,6 +193,8 @@ def trace_operations(step_fn, state, batches, classes):
           continue
         per_class[kind][0] += event.duration_ns * 1e-9
         per_class[kind][1] += 1
+        per_region[regions.get(base, "other")][0] += event.duration_ns * 1e-9
+        per_region[regions.get(base, "other")][1] += 1
         intervals.append((event.start_ns, event.start_ns + event.duration_ns))
   busy, end = 0.0, -np.inf
   for lo, hi in sorted(intervals):  # union of the intervals: time any operation ran
@@ -175,7 +202,8 @@ def trace_operations(step_fn, state, batches, classes):
       busy += (hi - max(lo, end)) * 1e-9
       end = hi
   n = len(batches)
-  return wall / n, {k: (v[0] / n, v[1] / n) for k, v in per_class.items()}, busy / n, state
+  per_step = lambda table: {k: (v[0] / n, v[1] / n) for k, v in table.items()}
+  return wall / n, per_step(per_class), per_step(per_region), busy / n, state
 
 
 def matmul_peak(size: int, dtype) -> float:
@@ -250,6 +278,7 @@ def main(argv):
   xla_flops = float(cost.get("flops", float("nan")))
   counted = dot_flops(jax.make_jaxpr(step_fn)(state, None, batches[0]).jaxpr)
   classes = operation_classes(compiled.as_text())
+  regions = operation_regions(compiled.as_text())
 
   state, metrics = step_fn(state, None, batches[0])
   jax.block_until_ready(metrics)
@@ -260,8 +289,8 @@ def main(argv):
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - start)
   step_s = float(np.median(times))
-  traced_s, per_class, busy_s, state = trace_operations(
-      step_fn, state, batches[_STEPS.value + 1:], classes)
+  traced_s, per_class, per_region, busy_s, state = trace_operations(
+      step_fn, state, batches[_STEPS.value + 1:], classes, regions)
 
   m = config.model
   print(f"config: batch {config.batch_size}, hidden {m.hidden_size}, layers {m.num_layers}, "
@@ -293,6 +322,12 @@ def main(argv):
   idle = traced_s - busy_s
   print(f"| idle gap (no operation running) | {idle * 1e3:.1f} | "
         f"{100 * idle / traced_s:.1f}% of the step | | |")
+  print("| part of the step (named scope; forward and backward) | ms per step (all threads) | "
+        "share of operation time | operations per step | us each |")
+  print("|---|---|---|---|---|")
+  for region, (seconds, count) in sorted(per_region.items(), key=lambda kv: -kv[1][0]):
+    print(f"| {region} | {seconds * 1e3:.1f} | {100 * seconds / total_s:.1f}% | {count:.0f} | "
+          f"{1e6 * seconds / max(count, 1):.1f} |")
 
   if _COMPARE.value:
     variants = [v for v in _COMPARE.value.split(";") if v.strip()]

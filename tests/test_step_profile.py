@@ -46,3 +46,19 @@ def test_operation_classes_of_a_compiled_program():
   assert set(classes.values()) <= {"matmul", "elementwise", "copy", "reduction", "gather",
                                    "scatter", "sort", "custom call", "while", "conditional",
                                    "call"}
+
+
+def test_operation_regions_follow_the_named_scopes_through_the_gradient():
+  def loss(w_DxD, x_NxD):
+    with jax.named_scope("attention"):
+      y = jnp.tanh(x_NxD @ w_DxD)
+    with jax.named_scope("moe"):
+      y = jnp.sin(y @ w_DxD)
+    return jnp.sum(y)
+
+  compiled = jax.jit(jax.grad(loss)).lower(jnp.ones((32, 32)), jnp.ones((16, 32))).compile()
+  text = compiled.as_text()
+  regions = step_profile.operation_regions(text)
+  classes = step_profile.operation_classes(text)
+  dot_regions = {regions[name] for name, kind in classes.items() if kind == "matmul"}
+  assert {"attention", "moe"} <= dot_regions  # the backward's dots keep their forward's scope

@@ -494,9 +494,17 @@ def project_qkv(x_BxTxD, attn: Params, layer_type: str, positions_BxT, cfg: Mode
 
 def feed_forward(h_BxTxD, layer: Params, cfg: ModelConfig):
   """Dense MLP and MoE in parallel from the residual stream h (the router reads h itself)."""
-  dense = gated_mlp(rms_norm(h_BxTxD, layer["pre_ffw_norm"], cfg.rms_norm_eps),
-                    layer["mlp"]["gate"], layer["mlp"]["up"], layer["mlp"]["down"])
-  dense = rms_norm(dense, layer["post_ffw_norm_1"], cfg.rms_norm_eps)
+  with jax.named_scope("dense_mlp"):
+    dense = gated_mlp(rms_norm(h_BxTxD, layer["pre_ffw_norm"], cfg.rms_norm_eps),
+                      layer["mlp"]["gate"], layer["mlp"]["up"], layer["mlp"]["down"])
+    dense = rms_norm(dense, layer["post_ffw_norm_1"], cfg.rms_norm_eps)
+  with jax.named_scope("moe"):
+    sparse = _sparse_block(h_BxTxD, layer, cfg)
+  return rms_norm(dense + sparse, layer["post_ffw_norm"], cfg.rms_norm_eps)
+
+
+def _sparse_block(h_BxTxD, layer: Params, cfg: ModelConfig):
+  """The MoE half of `feed_forward`: route, normalise, the experts, the post-norm."""
   h_NxD = h_BxTxD.reshape(-1, h_BxTxD.shape[-1])
   weights, index = route(h_NxD, layer["router"], cfg)
   expert_in = rms_norm(h_NxD, layer["pre_ffw_norm_2"], cfg.rms_norm_eps)
@@ -510,8 +518,7 @@ def feed_forward(h_BxTxD, layer: Params, cfg: ModelConfig):
   else:
     sparse = moe_per_batch_shard(expert_in, weights, index, layer["experts"], cfg, shards)
   sparse = sparse.reshape(h_BxTxD.shape)
-  sparse = rms_norm(sparse, layer["post_ffw_norm_2"], cfg.rms_norm_eps)
-  return rms_norm(dense + sparse, layer["post_ffw_norm"], cfg.rms_norm_eps)
+  return rms_norm(sparse, layer["post_ffw_norm_2"], cfg.rms_norm_eps)
 
 
 def transformer_layer(h_BxTxD, layer: Params, layer_type: str, cfg: ModelConfig, attention_fn):
@@ -519,10 +526,12 @@ def transformer_layer(h_BxTxD, layer: Params, layer_type: str, cfg: ModelConfig,
 
   `attention_fn(normed_x) -> (attn_out_BxTxHxd, extra)` hides encoder/decoder differences.
   """
-  normed = rms_norm(h_BxTxD, layer["input_norm"], cfg.rms_norm_eps)
-  attn_out, extra = attention_fn(normed)
-  attn_out = linear(attn_out, layer["attn"]["o"], num_in_axes=2)
-  h = h_BxTxD + rms_norm(attn_out, layer["post_attn_norm"], cfg.rms_norm_eps)
+  # Named scopes label the compiled operations (benchmarks/step_profile.py reads them).
+  with jax.named_scope("attention"):
+    normed = rms_norm(h_BxTxD, layer["input_norm"], cfg.rms_norm_eps)
+    attn_out, extra = attention_fn(normed)
+    attn_out = linear(attn_out, layer["attn"]["o"], num_in_axes=2)
+    h = h_BxTxD + rms_norm(attn_out, layer["post_attn_norm"], cfg.rms_norm_eps)
   h = h + feed_forward(h, layer, cfg)
   # layer_scalar is a fixed buffer in the reference, never trained.
   h = h * jax.lax.stop_gradient(layer["layer_scalar"]).astype(h.dtype)
@@ -548,6 +557,7 @@ def run_layer(h_BxTxD, layer: Params, layer_type: str, cfg: ModelConfig, attenti
 # ----------------------------------------------------------------------------- embeddings & head
 
 
+@jax.named_scope("embedding")
 def embed(params: Params, tokens_BxT, cfg: ModelConfig):
   """Scaled embedding lookup; the reference rounds sqrt(D) to the weight dtype."""
   table = params["embedding"]
@@ -555,6 +565,7 @@ def embed(params: Params, tokens_BxT, cfg: ModelConfig):
   return sharding.constrain((table[tokens_BxT] * scale).astype(cfg.compute_dtype), sharding.HIDDEN)
 
 
+@jax.named_scope("lm_head")
 def lm_head(params: Params, h_BxTxD, cfg: ModelConfig):
   """Tied-embedding logits in float32, soft-capped: cap * tanh(logits / cap)."""
   logits = (h_BxTxD @ params["embedding"].astype(h_BxTxD.dtype).T).astype(jnp.float32)
@@ -562,6 +573,7 @@ def lm_head(params: Params, h_BxTxD, cfg: ModelConfig):
   return sharding.constrain(cap * jnp.tanh(logits / cap), sharding.LOGITS)
 
 
+@jax.named_scope("self_conditioning")
 def self_conditioning_embedding(params: Params, logits_BxCxV, cfg: ModelConfig):
   """softmax(previous logits) @ embedding * sqrt(D): the decoder's soft input."""
   return soft_embedding(params, jax.nn.softmax(logits_BxCxV.astype(jnp.float32), axis=-1), cfg)

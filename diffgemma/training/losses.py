@@ -176,7 +176,8 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng,
     raise ValueError(f"batch of length {seq_len} does not match the layout {layout} of a model "
                      f"with canvas_length {c}")
   if draws is None:
-    draws = sample_draws(rng, cfg, loss_cfg, layout, batch)
+    with jax.named_scope("forward_process"):
+      draws = sample_draws(rng, cfg, loss_cfg, layout, batch)
 
   # The decoder never needs the last canvas's K/V; without an encoder loss, skip encoding it.
   encode_len = seq_len if loss_cfg.uses_encoder_loss else p + (num_canvases - 1) * c
@@ -259,8 +260,9 @@ def self_conditioned_logits(params, cfg: ModelConfig, noisy_BxC, cache, prefix_l
 
   sc_cache = {"layers": jax.tree_util.tree_map(take, cache["layers"]),
               "valid": take(cache["valid"]), "end": cache["end"]}
-  first = jax.lax.stop_gradient(
-      network.decode(params, cfg, take(noisy_BxC), sc_cache, take(prefix_len_B)))
+  with jax.named_scope("self_conditioning_pass"):
+    first = jax.lax.stop_gradient(
+        network.decode(params, cfg, take(noisy_BxC), sc_cache, take(prefix_len_B)))
   soft_BxCxD = spread(network.self_conditioning_embedding(params, first, cfg))
   logits = network.decode(params, cfg, noisy_BxC, cache, prefix_len_B, None, sc_mask_B, soft_BxCxD)
   return logits, spread(first), sc_mask_B

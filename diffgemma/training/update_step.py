@@ -77,12 +77,13 @@ def make_update_step(setup: Setup, loss_fn, state_sh=None, frozen_sh=None, batch
         (loss, grads, metrics), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
         loss, grads, metrics = jax.tree_util.tree_map(lambda x: x / accum,
                                                       (loss, grads, metrics))
-    grad_norm = optax.tree.norm(grads)
     if inject:
       loss = jnp.where(state["step"] + 1 == inject, jnp.nan, loss)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    with jax.named_scope("optimizer"):  # a label for benchmarks/step_profile.py
+      grad_norm = optax.tree.norm(grads)
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+      params = optax.apply_updates(state["params"], updates)
     keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
     first = ~finite & (state["nonfinite"] == 0)
     metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=setup.schedule(state["step"]))
