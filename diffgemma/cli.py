@@ -55,12 +55,14 @@ def load_named_config(name: str):
   return module.get_config()
 
 
-def fail(message: str, code: int = 2):
+def fail(message: str, code: int = 2, on_every_process: bool = False):
+  """Print the one line and exit with `code`. `on_every_process`: in a multi-process run, every
+  process raises this error at the same point (errors.on_every_process)."""
   errors.print_error(message)
   from diffgemma.runs import distributed  # local: a leaf for flag parsing
 
   if distributed.is_multi_process():
-    distributed.exit_now(code)  # the other processes learn it; no shutdown barrier
+    distributed.exit_now(code, on_every_process)  # the others learn it; no shutdown barrier
   sys.exit(code)
 
 
@@ -214,7 +216,7 @@ def run(main, argv=None, sections: tuple[str, ...] = ()):
       raise
   except user_errors as e:
     _quiet_exit()
-    fail(errors.one_line(e))
+    fail(errors.one_line(e), on_every_process=errors.raised_on_every_process(e))
   except errors.RunStopped as e:
     fail(errors.one_line(e), code=3)
   except KeyboardInterrupt:

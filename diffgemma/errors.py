@@ -20,6 +20,18 @@ class RunStopped(RuntimeError):
   message (one line) says why and where the last good checkpoint is."""
 
 
+def on_every_process(e: BaseException) -> BaseException:
+  """`e`, marked as an error every process of a multi-process run raises at the same point (an
+  outcome they agreed on, e.g. a busy workdir): a process that sees a peer end with it goes on
+  to raise it too, instead of reporting the peer lost."""
+  e.raised_on_every_process = True
+  return e
+
+
+def raised_on_every_process(e: BaseException) -> bool:
+  return getattr(e, "raised_on_every_process", False)
+
+
 def one_line(e: BaseException) -> str:
   """The one line a user sees for `e`: its message's first line (a KeyError's key without the
   quotes repr adds), or the exception's type when it has no message."""

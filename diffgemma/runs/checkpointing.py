@@ -240,6 +240,9 @@ class _write_errors:
     step = pending[-1] if pending else self.step
     what = f"checkpoint step {step}" if step is not None else "a checkpoint"
     _settle(self.mngr)
+    # A multi-process save is collective: a peer killed mid-save fails it here ("Connection
+    # reset by peer"); the watchdog names the lost peer then, which is the line to print.
+    distributed.wait_for_lost()
     last = latest_step(workdir)
     raise CheckpointWriteError(
         f"could not write {what} in {directory}: {describe_os_error(e)}; the last complete "

@@ -58,8 +58,12 @@ JAX_HEARTBEAT_FACTOR = 4
 # How long a process waits for the others at start-up (all of them must have started).
 INIT_TIMEOUT_S = 300
 _KEY = "diffgemma"  # the key-value store's namespace
-DONE, FAILED = "done", "failed"  # a heartbeat's last value
-# On its own error, process 0 (whose store the others read) waits this long for them to end.
+# A heartbeat's last value: ended normally, with an error of its own, or with an error every
+# process raises at the same point (errors.on_every_process; the others go on to raise it too).
+DONE, FAILED, FAILED_ON_EVERY_PROCESS = "done", "failed", "failed-on-every-process"
+# On its own error, process 0 (whose store the others read) waits this long for them to end; on
+# an error every process raises, up to the heartbeat timeout (the others may still be on their
+# way to the point where they raise it).
 SETTLE_S = 5.0
 JOIN_S = 10.0  # at exit, the longest wait for the watchdog's beat in flight to return
 
@@ -328,8 +332,9 @@ def check_same_run(config: dict, run_flags: dict) -> None:
                     key=lambda k: (k.startswith("--"), k))  # config keys first
       shown = ", ".join(f"{k}={b.get(k, unset)!r} vs {a.get(k, unset)!r}" for k in keys[:3])
       what = f"a different config ({shown}{', ...' if len(keys) > 3 else ''})"
-    raise errors.ConfigError(f"process {i} runs {what} than process 0; every process must run "
-                             "the same command on the same code")
+    raise errors.on_every_process(errors.ConfigError(
+        f"process {i} runs {what} than process 0; every process must run the same command on "
+        "the same code"))
 
 
 # ----------------------------------------------------------------------------- watchdog
@@ -369,7 +374,7 @@ class _Watchdog(threading.Thread):
     return f"{_KEY}/heartbeat/{index}"
 
   def run(self) -> None:
-    beat, seen = 0, {}
+    beat, seen, failed_at = 0, {}, {}
     while not self.ended.is_set():
       beat += 1
       now = time.monotonic()
@@ -392,8 +397,11 @@ class _Watchdog(threading.Thread):
           value = None  # it has not beaten yet
         if value == DONE:
           continue
-        if value == FAILED:
+        if value == FAILED or (value == FAILED_ON_EVERY_PROCESS
+                               and now - failed_at.setdefault(other, now) > self.timeout_s):
           lost(f"{_describe(other)} stopped with an error (its own line says which)")
+        if value == FAILED_ON_EVERY_PROCESS:
+          continue  # this process raises the same error when it gets there
         last = seen.get(other)
         if last is None or last[0] != value:
           seen[other] = (value, now)
@@ -408,7 +416,8 @@ class _Watchdog(threading.Thread):
       if other == self.index:
         continue
       try:
-        if self.client.key_value_try_get(self._key(other)) not in (DONE, FAILED):
+        if self.client.key_value_try_get(self._key(other)) not in (DONE, FAILED,
+                                                                   FAILED_ON_EVERY_PROCESS):
           return False
       except Exception:  # noqa: BLE001
         return False
@@ -433,18 +442,20 @@ def lost(reason: str) -> None:
     os._exit(LOST_EXIT_CODE)
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int, on_every_process: bool = False) -> None:
   """End a multi-process run's process after its own error line: the others learn it failed
   (and stop with one line), and JAX's shutdown barrier, which would wait for processes that may
-  never come, is skipped. Process 0 keeps the key-value store up until the others have read it
-  (at most SETTLE_S)."""
+  never come, is skipped. `on_every_process`: the error is one every process raises at the same
+  point (errors.on_every_process); the others raise it too, each with its own line. Process 0
+  keeps the key-value store up until the others have read it (at most SETTLE_S, or the heartbeat
+  timeout for an error every process raises)."""
   sys.stdout.flush()
   sys.stderr.flush()
   watchdog = _watchdog["current"]
   if watchdog is not None:
     watchdog.stopping = True
-    watchdog.finish(FAILED)
-    deadline = time.monotonic() + SETTLE_S
+    watchdog.finish(FAILED_ON_EVERY_PROCESS if on_every_process else FAILED)
+    deadline = time.monotonic() + (watchdog.timeout_s if on_every_process else SETTLE_S)
     while watchdog.index == 0 and time.monotonic() < deadline and not watchdog.others_settled():
       time.sleep(HEARTBEAT_INTERVAL_S / 4)
   os._exit(code)

@@ -26,6 +26,7 @@ import socket
 import sys
 from typing import Callable, Iterator
 
+from diffgemma import errors
 from diffgemma.runs import distributed
 
 LOCK_FILE = ".lock"
@@ -150,7 +151,8 @@ def _hold_for_all(workdir: str, log) -> Iterator[None]:
     outcome = distributed.agree("workdir_lock", take)
     if outcome:
       kind, _, message = outcome.partition(":")
-      raise (WorkdirBusyError if kind == WorkdirBusyError.__name__ else WorkdirLockError)(message)
+      kind = WorkdirBusyError if kind == WorkdirBusyError.__name__ else WorkdirLockError
+      raise errors.on_every_process(kind(message))
     yield
 
 
