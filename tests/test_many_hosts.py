@@ -64,11 +64,28 @@ def launch(workdir, processes, *extra, base=FLAGS):
   return out
 
 
-def start_process(index, count, port, workdir, *extra):
-  """One process of a multi-process run, started by hand (as a cluster would)."""
+LATE_TO_THE_LOCK = """
+import runpy, sys, time
+from diffgemma.runs import workdir_lock
+hold = workdir_lock.hold
+def late_hold(*args, **kwargs):
+  time.sleep({late_s})
+  return hold(*args, **kwargs)
+workdir_lock.hold = late_hold
+sys.argv = {argv!r}
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def start_process(index, count, port, workdir, *extra, late_to_the_lock_s=None):
+  """One process of a multi-process run, started by hand (as a cluster would).
+  `late_to_the_lock_s`: it waits that long before taking part in the workdir lock."""
+  argv = ["train.py", *FLAGS, f"--workdir={workdir}", f"--heartbeat_timeout_s={HEARTBEAT_S}",
+          *extra]
+  if late_to_the_lock_s is not None:
+    argv = ["-c", LATE_TO_THE_LOCK.format(late_s=late_to_the_lock_s, argv=argv)]
   return subprocess.Popen(
-      [sys.executable, "train.py", *FLAGS, f"--workdir={workdir}",
-       f"--heartbeat_timeout_s={HEARTBEAT_S}", *extra], cwd=ROOT,
+      [sys.executable, *argv], cwd=ROOT,
       env=launcher.process_env(index, count, 1, "cpu", f"localhost:{port}"),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -305,19 +322,6 @@ def test_the_launcher_exits_with_the_first_failure_and_prefixes_output(tmp_path)
   assert "[launch] killing process 0" in out.stderr
 
 
-LATE_TO_THE_LOCK = """
-import runpy, sys, time
-from diffgemma.runs import workdir_lock
-hold = workdir_lock.hold
-def late_hold(*args, **kwargs):
-  time.sleep({late_s})
-  return hold(*args, **kwargs)
-workdir_lock.hold = late_hold
-sys.argv = {argv!r}
-runpy.run_path("train.py", run_name="__main__")
-"""
-
-
 def test_a_busy_workdir_is_refused_on_every_process(tmp_path):
   """Process 1 reaches the lock seconds after process 0 has refused the workdir and ended:
   it still raises the same error itself, and is not stopped as the peer of a failed process."""
@@ -325,13 +329,10 @@ def test_a_busy_workdir_is_refused_on_every_process(tmp_path):
 
   workdir = str(tmp_path / "run")
   port = launcher.free_port()
-  argv = ["train.py", *FLAGS, f"--workdir={workdir}", f"--heartbeat_timeout_s={HEARTBEAT_S}"]
-  late = LATE_TO_THE_LOCK.format(late_s=4 * distributed.HEARTBEAT_INTERVAL_S, argv=argv)
   with workdir_lock.hold(workdir):  # another trainer (this test) holds the workdir
     procs = [start_process(0, 2, port, workdir),
-             subprocess.Popen([sys.executable, "-c", late], cwd=ROOT,
-                              env=launcher.process_env(1, 2, 1, "cpu", f"localhost:{port}"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+             start_process(1, 2, port, workdir,
+                           late_to_the_lock_s=4 * distributed.HEARTBEAT_INTERVAL_S)]
     outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
   for p, (_, stderr) in zip(procs, outs):
     assert p.returncode == 2, stderr

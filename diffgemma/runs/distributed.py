@@ -397,11 +397,11 @@ class _Watchdog(threading.Thread):
           value = None  # it has not beaten yet
         if value == DONE:
           continue
-        if value == FAILED or (value == FAILED_ON_EVERY_PROCESS
-                               and now - failed_at.setdefault(other, now) > self.timeout_s):
-          lost(f"{_describe(other)} stopped with an error (its own line says which)")
-        if value == FAILED_ON_EVERY_PROCESS:
+        if value == FAILED_ON_EVERY_PROCESS and (
+            now - failed_at.setdefault(other, now) <= self.timeout_s):
           continue  # this process raises the same error when it gets there
+        if value in (FAILED, FAILED_ON_EVERY_PROCESS):  # the latter: this one never got there
+          lost(f"{_describe(other)} stopped with an error (its own line says which)")
         last = seen.get(other)
         if last is None or last[0] != value:
           seen[other] = (value, now)
