@@ -51,11 +51,12 @@ def get_config():
   # normalization: each loss term's batch mean, "token" (every scored token alike; NeMo
   # AutoModel's) or "example" (each example's token mean, then the mean over examples).
   # t_distribution: "uniform" t ~ U(t_eps, 1) or "sqrt" (more t near 1); fill_noise: the EOS fill
-  # after a reply corrupted "as_reply" or "always" (LossConfig's docstring).
+  # after a reply corrupted "as_reply" or "always"; end_weight: the CE weight of each reply's end
+  # token (a chat reply's end-of-turn) against 1 for the rest (LossConfig's docstring).
   c.loss = ml_collections.ConfigDict(dict(
       encoder_weight=0.0, decoder_weight=1.0, noise_schedule="linear", t_eps=1e-3,
       self_conditioning_prob=0.5, decoder_weighting="flat", normalization="token",
-      t_distribution="uniform", fill_noise="as_reply"))
+      t_distribution="uniform", fill_noise="as_reply", end_weight=1.0))
 
   c.grad_accum_steps = 1  # split each batch into this many micro-batches (same result, less memory)
   c.freeze_router = False  # NeMo's SFT default is True: no router updates (LoRA: no router adapter)

@@ -40,6 +40,9 @@ are described in diffgemma/tasks/chat_data.py):
                        (the number after ####), "regex" (first group of eval.answer_regex).
   eval.answer_regex    the pattern of metric "regex", with one capturing group.
   eval.seed            which held-out examples when num_examples is smaller than the set.
+  eval.stop_check_step, eval.stop_overrun_warning   from that step on (0 = off), the periodic
+                       eval warns in one line when at least that share of the held-out replies
+                       hold the whole reference and go on past it (the stop is not learned).
 SD·RL (a `sdrl` section): sdrl.reward is one of the metric names (default "exact"), or
 sdrl.reward_fn = "package.module:function", called as function(prompt, reply, reference) ->
 float in [0, 1] (prompt: the last user turn's text; reply: the generated text up to its first
@@ -56,6 +59,8 @@ CANVAS = 32
 # the template and replies <= 164 bytes with the end-of-turn (6 canvases of 32); "sort" prompts
 # are <= 96 bytes and replies <= 61 (2 canvases); "infill_count" prompts are 32 bytes and
 # replies <= 32 with the end-of-turn (one canvas: prefix, gap and suffix share it).
+# The stop check (eval.stop_*): PLACEHOLDER
+STOP_CHECK_STEP, STOP_OVERRUN_WARNING = 700, 0.25
 LAYOUTS = {"count": dict(prompt_len=48, num_canvases=6),
            "sort": dict(prompt_len=96, num_canvases=2),
            "infill_count": dict(prompt_len=40, num_canvases=1)}
@@ -87,5 +92,6 @@ def get_config(variant: str = "count"):
 
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=1000, num_examples=64, batch_size=64, metric="exact", answer_regex="",
-      seed=12345, trace_examples=2))  # trace_examples: denoising traces drawn in TensorBoard
+      seed=12345, trace_examples=2,  # trace_examples: denoising traces drawn in TensorBoard
+      stop_check_step=STOP_CHECK_STEP, stop_overrun_warning=STOP_OVERRUN_WARNING))
   return c

@@ -384,6 +384,29 @@ def test_metrics(tmp_path, metric, regex, reply, reference, correct):
   assert records[0]["reference"] == reference and records[0]["prompt"] == "q"
 
 
+def test_overran_replies_and_the_stop_warning(tmp_path):
+  """overran: the whole reference and more (not a wrong reply, not a short one); the periodic
+  eval warns from eval.stop_check_step on when that share reaches eval.stop_overrun_warning."""
+  c = make_config("", prompt_len=32, num_canvases=8)
+  c.eval.stop_check_step, c.eval.stop_overrun_warning = 100, 0.5
+  task = make_task(c, training=False)
+  from diffgemma.tasks.base import Prompts
+
+  replies = ["1 2 3 4 5", "1 2 3", "1 2", "1 2 4 5"]  # overran, exact, short, wrong
+  prompts = Prompts(np.zeros((4, 32), np.int32), np.ones((4, 32), bool), ["1 2 3"] * 4,
+                    [{"prompt": "q"}] * 4)
+  metrics, records = task.score(prompts, np.stack([reply_row(task, r) for r in replies]), {})
+  assert [r["overran"] for r in records] == [True, False, False, False]
+  assert metrics["overran"] == 0.25 and metrics["accuracy"] == 0.25
+  assert task.plateau_warning(100, metrics) is None  # 25% < 50%
+  assert task.plateau_warning(99, {"overran": 0.9}) is None  # before the check step
+  warning = task.plateau_warning(100, {"overran": 0.5})
+  assert "50% of the held-out replies" in warning and "\n" not in warning
+  c.eval.stop_overrun_warning = 0.0
+  with pytest.raises(ValueError, match="stop_overrun_warning"):
+    make_task(c, training=False)
+
+
 def test_reply_stops_at_first_stop_id_and_drops_pads(tmp_path):
   task = make_task(make_config("", prompt_len=32, num_canvases=4), training=False)
   tok = task.tokenizer

@@ -140,6 +140,52 @@ def test_sft_loss_matches_hand_computation():
   np.testing.assert_allclose(total, 0.5 * metrics["encoder_loss"] + expected_dec, rtol=1e-5)
 
 
+def test_end_weight_weights_each_reply_end_in_both_terms():
+  """loss.end_weight: the encoder and decoder CE are weighted means (float64 numpy) in which
+  each row's last supervised non-EOS token weighs end_weight and every other scored token 1."""
+  cfg, eos = LOSS_CFG, LOSS_CFG.eos_token_id
+  params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+  p, k, c = 3, 2, cfg.canvas_length
+  rng = np.random.default_rng(1)
+  reply_lens = (3, 5, 8, 2)  # the end in canvas 0, in canvas 1, at the very last slot, canvas 0
+  tokens = rng.integers(3, cfg.vocab_size, (len(reply_lens), p + k * c)).astype(np.int32)
+  loss_mask = np.zeros(tokens.shape, bool)
+  for row, n in enumerate(reply_lens):
+    filled = -(-n // c) * c
+    tokens[row, p + n:p + filled] = eos
+    loss_mask[row, p:p + filled] = True
+  end = np.zeros(tokens.shape, bool)
+  end[np.arange(len(reply_lens)), p + np.array(reply_lens) - 1] = True
+  np.testing.assert_array_equal(losses.reply_end_mask(jnp.asarray(tokens), jnp.asarray(loss_mask),
+                                                      eos), end)
+  batch = {"tokens": jnp.asarray(tokens), "valid": jnp.ones(tokens.shape, bool),
+           "loss_mask": jnp.asarray(loss_mask)}
+  layout, weight = Layout(p, k, c), 6.0
+  loss_cfg = losses.LossConfig(encoder_weight=0.5, self_conditioning_prob=0.0, end_weight=weight)
+  draws = losses.sample_draws(jax.random.PRNGKey(2), cfg, loss_cfg, layout, batch)
+  _, metrics = jax.jit(losses.sft_loss, static_argnums=(1, 2, 3))(
+      params, cfg, loss_cfg, layout, batch, jax.random.PRNGKey(3), draws)
+
+  w = np.where(end, weight, 1.0)
+  cache = network.init_cache(cfg, len(reply_lens), p + k * c)
+  hidden, cache = jax.jit(network.encode, static_argnums=1)(params, cfg, batch["tokens"], cache)
+  logp = np.asarray(jax.nn.log_softmax(network.lm_head(params, hidden, cfg)[:, :-1]), np.float64)
+  nll = -np.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+  m = loss_mask[:, 1:] * w[:, 1:]
+  np.testing.assert_allclose(metrics["encoder_loss"], (nll * m).sum() / m.sum(), rtol=1e-5)
+
+  start = p + c * np.asarray(draws.canvas_U)
+  rows = np.arange(len(reply_lens))[:, None]
+  window = start[:, None] + np.arange(c)
+  logits = jax.jit(network.decode, static_argnums=1)(params, cfg, draws.noisy_UxC, cache,
+                                                     jnp.asarray(start))
+  logp = np.asarray(jax.nn.log_softmax(logits), np.float64)
+  nll = -np.take_along_axis(logp, tokens[rows, window][..., None], -1)[..., 0]
+  m = loss_mask[rows, window] * w[rows, window]
+  assert (w[rows, window] == weight).any()  # some scored canvas holds its reply's end
+  np.testing.assert_allclose(metrics["decoder_loss"], (nll * m).sum() / m.sum(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("batch, prob, expected", [
     (8, 0.5, (1, 2)), (6, 1 / 3, (1, 3)), (8, 0.75, (3, 4)), (4, 0.0, (0, 1)), (4, 1.0, (1, 1)),
     (5, 0.5, (2, 5)), (6, 0.3, (1, 3))])

@@ -70,6 +70,9 @@ class ChatSettings:
   answer_regex: str
   reward: str
   reward_fn: str
+  # The stop check of the periodic eval (`ChatTask.plateau_warning`); 0 = off.
+  stop_check_step: int = 0
+  stop_overrun_warning: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +117,11 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
     text_metrics.check_metric(metric, answer_regex)
   except ValueError as e:
     raise ValueError(f"eval.metric / eval.answer_regex: {e}") from None
+  stop_check_step = int(ev.get("stop_check_step", 0))
+  stop_overrun_warning = float(ev.get("stop_overrun_warning", 1.0))
+  if stop_check_step < 0 or not 0.0 < stop_overrun_warning <= 1.0:
+    raise ValueError("eval.stop_check_step must be >= 0 and eval.stop_overrun_warning in (0, 1], "
+                     f"got {stop_check_step} and {stop_overrun_warning}")
   if int(ev.get("num_examples", 0)) < 0:
     raise ValueError(f"eval.num_examples must be >= 0, got {ev.get('num_examples')}")
   sdrl = config.get("sdrl")
@@ -134,7 +142,8 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
       num_canvases=int(data.num_canvases), overflow=overflow, seed=int(data.get("seed", 0)),
       num_threads=int(data.get("num_threads", 1)), prefetch=int(data.get("prefetch", 4)),
       eval_num_examples=int(ev.get("num_examples", 0)), eval_seed=int(ev.get("seed", 0)),
-      metric=metric, answer_regex=answer_regex, reward=reward, reward_fn=reward_fn)
+      metric=metric, answer_regex=answer_regex, reward=reward, reward_fn=reward_fn,
+      stop_check_step=stop_check_step, stop_overrun_warning=stop_overrun_warning)
 
 
 def tokenizer_source(directory: str) -> str:
@@ -538,14 +547,15 @@ class ChatTask(RlTask):
   def score(self, prompts: Prompts, tokens_NxL: np.ndarray, stats: dict[str, np.ndarray]
             ) -> tuple[dict[str, float], list[dict]]:
     """accuracy (eval.metric), answered (an answer could be extracted), stopped (the reply
-    ended with a stop token within the budget), canvases_per_reply (from stats["num_canvases"]
-    when the sampler gives it); one record per row: source, prompt, reply, reference, correct,
-    answer, reference_answer.
+    ended with a stop token within the budget), overran (the reply is the whole reference and
+    goes on past it: the content was learned, the stop was not), canvases_per_reply (from
+    stats["num_canvases"] when the sampler gives it); one record per row: source, prompt, reply,
+    reference, correct, overran, answer, reference_answer.
     Infill data (`prompts.fixed_NxL`): the reply is `infill_reply_text` (the whole reply, given
     parts included, is what accuracy judges), stopped counts stop tokens after the suffix only,
     and infill_accuracy is the share of rows whose middle (`infill_middle_text`) equals the
     reference middle exactly; records add middle and infill_correct."""
-    records, correct, answered, stopped, infill_correct = [], [], [], [], []
+    records, correct, answered, stopped, infill_correct, overran = [], [], [], [], [], []
     for i, row in enumerate(np.asarray(tokens_NxL)):
       record = dict(prompts.records[i]) if prompts.records else {}
       if prompts.fixed_NxL is None:
@@ -560,19 +570,35 @@ class ChatTask(RlTask):
         record.update(middle=middle, infill_correct=infill_correct[-1])
       verdict = text_metrics.judge(self.settings.metric, reply, prompts.references[i],
                                    self._pattern)
+      overran.append(overruns(reply, prompts.references[i]))
       record.update(reply=reply, reference=prompts.references[i], correct=verdict.correct,
-                    answer=verdict.answer, reference_answer=verdict.reference_answer)
+                    overran=overran[-1], answer=verdict.answer,
+                    reference_answer=verdict.reference_answer)
       records.append(record)
       correct.append(verdict.correct)
       answered.append(verdict.answer is not None)
     metrics = {"accuracy": float(np.mean(correct)) if correct else 0.0,
                "answered": float(np.mean(answered)) if answered else 0.0,
-               "stopped": float(np.mean(stopped)) if stopped else 0.0}
+               "stopped": float(np.mean(stopped)) if stopped else 0.0,
+               "overran": float(np.mean(overran)) if overran else 0.0}
     if prompts.fixed_NxL is not None:
       metrics[INFILL_METRIC] = float(np.mean(infill_correct)) if infill_correct else 0.0
     if "num_canvases" in stats:
       metrics["canvases_per_reply"] = float(np.mean(stats["num_canvases"]))
     return metrics, records
+
+  def plateau_warning(self, step: int, metrics: dict[str, float]) -> str | None:
+    """From eval.stop_check_step on: a warning when at least eval.stop_overrun_warning of the
+    held-out replies overran (`overruns`), the sign of a run that writes the reply but has not
+    learned where it ends."""
+    s = self.settings
+    if not s.stop_check_step or step < s.stop_check_step or "overran" not in metrics:
+      return None
+    if metrics["overran"] < s.stop_overrun_warning:
+      return None
+    return (f"warning: at step {step} {metrics['overran']:.0%} of the held-out replies hold the "
+            "whole reference and go on past it: the stop is not being learned; "
+            "scripts/chat_stop_diagnostics.py measures it, docs/chat.md lists what helps")
 
   # ---------------------------------------------------------------- sampling from text
 
@@ -679,6 +705,12 @@ def checkpoint_task(directory: str, max_new_tokens: int, text: str, chat: bool =
   settings = dataclasses.replace(settings, prompt_len=prompt_len, num_canvases=num_canvases)
   return ChatTask(settings, tok, Layout(prompt_len, num_canvases, canvas_length),
                   declared_stop_ids(directory), chat_prompts=chat)
+
+
+def overruns(reply: str, reference: str) -> bool:
+  """The reply is the whole (stripped, non-empty) reference and then more: it did not stop."""
+  reply, reference = reply.strip(), reference.strip()
+  return bool(reference) and len(reply) > len(reference) and reply.startswith(reference)
 
 
 def _typed_prompt_ids(tok, text: str, chat: bool) -> list[int]:

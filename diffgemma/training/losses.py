@@ -44,6 +44,11 @@ class LossConfig:
     model's eos_token_id): corrupted "as_reply" (at the row's t, the reference) or "always", so
     the decoder never sees where the fill starts and must place the end from the content, as
     it must when sampling starts a canvas from pure noise.
+  end_weight: the CE weight of each example's reply end (`reply_end_mask`: its last supervised
+    token that is not EOS fill, a chat reply's end-of-turn marker) in both terms, against 1 for
+    every other scored token (1 = the reference). The stop is one decision per reply among many
+    "next token" ones; a larger weight makes getting it right matter as much as a few dozen
+    ordinary tokens.
   """
 
   encoder_weight: float = 1.0
@@ -57,6 +62,7 @@ class LossConfig:
   normalization: str = "token"
   t_distribution: str = "uniform"
   fill_noise: str = "as_reply"
+  end_weight: float = 1.0
 
   def __post_init__(self):
     for name, choices in (("encoder_scope", ENCODER_SCOPES),
@@ -68,6 +74,8 @@ class LossConfig:
                           ("noise_schedule", diffusion.SCHEDULES)):
       if getattr(self, name) not in choices:
         raise ValueError(f"unknown loss.{name} {getattr(self, name)!r}; choose one of {choices}")
+    if self.end_weight <= 0:
+      raise ValueError(f"loss.end_weight must be > 0, got {self.end_weight}")
     if self.encoder_weight < 0 or self.decoder_weight < 0:
       raise ValueError("loss.encoder_weight and loss.decoder_weight must be >= 0")
     if not 0.0 <= self.self_conditioning_prob <= 1.0:
@@ -101,6 +109,20 @@ def normalized_mean(x_UxT, mask_UxT, example_U, num_examples: int, normalization
   sums_B = jax.ops.segment_sum(jnp.sum(x_UxT * mask, -1), example_U, num_examples)
   counts_B = jax.ops.segment_sum(jnp.sum(mask, -1), example_U, num_examples)
   return masked_mean(sums_B / jnp.maximum(counts_B, 1.0), counts_B > 0)
+
+
+def reply_end_mask(tokens_BxL, loss_mask_BxL, eos_token_id: int):
+  """[B, L] bool: each row's last supervised token that is not `eos_token_id` (the EOS fill
+  after a reply); all False in a row without one."""
+  content_BxL = loss_mask_BxL & (tokens_BxL != eos_token_id)
+  last_B = content_BxL.shape[1] - 1 - jnp.argmax(content_BxL[:, ::-1], axis=1)
+  return (jnp.arange(content_BxL.shape[1])[None] == last_B[:, None]) & content_BxL.any(1)[:, None]
+
+
+def token_weights(tokens_BxL, loss_mask_BxL, eos_token_id: int, end_weight: float):
+  """[B, L] float32 CE weights: `end_weight` at the reply end (`reply_end_mask`), else 1."""
+  end_BxL = reply_end_mask(tokens_BxL, loss_mask_BxL, eos_token_id)
+  return jnp.where(end_BxL, jnp.float32(end_weight), jnp.float32(1.0))
 
 
 def take_canvas(x_BxL, start_B, canvas_len: int):
@@ -184,6 +206,8 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng,
   cache = network.init_cache(cfg, b, encode_len)
   hidden, cache = network.encode(params, cfg, tokens[:, :encode_len], cache, valid[:, :encode_len])
 
+  # Weights multiply the masks that normalized_mean reduces over: a weighted mean.
+  weight_BxL = token_weights(tokens, loss_mask, cfg.eos_token_id, loss_cfg.end_weight)
   metrics = {}
   encoder_loss = jnp.zeros(())
   if loss_cfg.uses_encoder_loss:
@@ -193,8 +217,9 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng,
     # A pair needs its input token valid too: a padding slot before the prompt sees nothing.
     targets_mask = valid[:, :-1] & valid[:, 1:] & scope_BxL[:, 1:]
     logits = network.lm_head(params, hidden[:, :-1], cfg)
-    encoder_loss = normalized_mean(cross_entropy(logits, tokens[:, 1:]), targets_mask,
-                                   jnp.arange(b), b, loss_cfg.normalization)
+    encoder_loss = normalized_mean(cross_entropy(logits, tokens[:, 1:]),
+                                   targets_mask * weight_BxL[:, 1:], jnp.arange(b), b,
+                                   loss_cfg.normalization)
     metrics["encoder_loss"] = encoder_loss
 
   # Row u denoises canvas k_U[u] of example row_U[u], reading that example's cache up to it (a
@@ -210,7 +235,9 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng,
   ce_UxC = cross_entropy(logits, clean_UxC)
   if loss_cfg.decoder_weighting == "inverse_t":
     ce_UxC = ce_UxC / draws.t_U[:, None]
-  decoder_loss = normalized_mean(ce_UxC, target_mask_UxC, row_U, b, loss_cfg.normalization)
+  weight_UxC = take_canvas(weight_BxL[row_U], start_U, c)
+  decoder_loss = normalized_mean(ce_UxC, target_mask_UxC * weight_UxC, row_U, b,
+                                 loss_cfg.normalization)
   correct = (jnp.argmax(logits, -1) == clean_UxC)
   metrics["decoder_loss"] = decoder_loss
   metrics["decoder_token_accuracy"] = masked_mean(correct, target_mask_UxC)
