@@ -61,6 +61,15 @@ CANVAS = 32
 # replies <= 32 with the end-of-turn (one canvas: prefix, gap and suffix share it).
 # The stop check (eval.stop_*): PLACEHOLDER
 STOP_CHECK_STEP, STOP_OVERRUN_WARNING = 700, 0.25
+# Sort: parallel denoising loses the letter counts that left-to-right decoding of the same
+# weights keeps (benchmarks/RESULTS.md, chat sort: 16% diffusion, 89% AR on 500 held out), so
+# a canvas still uncertain after one denoising step is decoded left to right (AR fallback, an
+# opt-in rule beyond the reference sampler; --sampler.ar_fallback= turns it off).
+VARIANT_SAMPLERS = {"sort": dict(ar_fallback="entropy", ar_fallback_after_steps=1,
+                                 ar_fallback_entropy=0.1)}
+# Schedules whose cosine decay ends inside 30 minutes (sort: 1400 steps in 24 minutes on one core
+# of a 2-core CPU; benchmarks/RESULTS.md).
+VARIANT_STEPS = {"sort": 1400, "infill_count": 2200}
 LAYOUTS = {"count": dict(prompt_len=48, num_canvases=6),
            "sort": dict(prompt_len=96, num_canvases=2),
            "infill_count": dict(prompt_len=40, num_canvases=1)}
@@ -89,6 +98,8 @@ def get_config(variant: str = "count"):
 
   # The sampler's budget is the layout's K canvases.
   c.sampler.max_new_tokens = LAYOUTS[variant]["num_canvases"] * CANVAS
+  c.sampler.update(VARIANT_SAMPLERS.get(variant, {}))
+  c.num_train_steps = VARIANT_STEPS.get(variant, c.num_train_steps)
 
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=1000, num_examples=64, batch_size=64, metric="exact", answer_regex="",
