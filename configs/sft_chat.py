@@ -60,8 +60,9 @@ CANVAS = 32
 # are <= 96 bytes and replies <= 61 (2 canvases); "infill_count" prompts are 32 bytes and
 # replies <= 32 with the end-of-turn (one canvas: prefix, gap and suffix share it).
 # The stop check (eval.stop_*): a run at count's target (95% exact) overruns at most 5% of its
-# replies; the count runs that had not learned the stop overran 68-97% in AR decoding at step
-# 1400 (benchmarks/RESULTS.md, 2026-12-04).
+# replies; three of four count runs that had not learned the stop overran 68-97% (AR decoding,
+# step 1400; benchmarks/RESULTS.md, 2026-12-04). It does not catch a run that stops too early
+# (the fourth, loss.end_weight=40: 0% overran, 96% too short).
 STOP_CHECK_STEP, STOP_OVERRUN_WARNING = 700, 0.25
 # Sort: parallel denoising loses the letter counts that left-to-right decoding of the same
 # weights keeps (benchmarks/RESULTS.md, chat sort: 16% diffusion, 89% AR on 500 held out), so
