@@ -7,8 +7,8 @@
     sampler clock is a fake one, so tokens per second is exact.
   * `SudokuTask.score`: puzzle and cell accuracies of hand-made solved / partly wrong / invalid
     grids, counted cell by cell.
-  * `ChatTask.score` with text_metrics: accuracy, answered, stopped and canvases per reply of
-    hand-made replies, counted reply by reply.
+  * `ChatTask.score` with text_metrics: accuracy, answered, stopped, overran and canvases per
+    reply of hand-made replies, counted reply by reply.
 
 Tolerances: every value here is a ratio of small integers, so 1e-12 relative (float rounding of
 a division) unless stated.
@@ -428,32 +428,33 @@ def test_evaluate_merges_task_and_sampler_metrics_over_padded_batches():
 
 # ----------------------------------------------------------------------------- chat scoring
 
-# (reply, stop, reference, correct, answered) by hand; "stop": the reply ends with end-of-turn
+# (reply, stop, reference, correct, answered, overran) by hand; "stop": the reply ends with end-of-turn
 # within the budget (else the row is cut with no stop id).
 CHAT_CASES = {
     "gsm8k": [
-        ("3 + 4 = 7\n#### 7.0", True, "so\n#### 7", True, True),
-        ("#### 1,234", True, "#### 1234", True, True),
-        ("the answer is 7", True, "#### 7", False, False),
-        ("#### 8", True, "7", False, True),
-        ("#### $12", False, "#### 12", True, True),  # right but never stopped
-        ("", True, "#### 3", False, False),
+        ("3 + 4 = 7\n#### 7.0", True, "so\n#### 7", True, True, False),
+        ("#### 1,234", True, "#### 1234", True, True, False),
+        ("the answer is 7", True, "#### 7", False, False, False),
+        ("#### 8", True, "7", False, True, False),
+        ("#### $12", False, "#### 12", True, True, False),  # right but never stopped
+        ("", True, "#### 3", False, False, False),
     ],
     "choice": [
-        ("The answer is: Yes.", True, "x. The answer is yes.", True, True),
-        ("yes", True, "yes", False, False),
-        ("the answer is maybe", False, "maybe.", True, True),
-        ("the answer is no", True, "The answer is yes", False, True),
+        ("The answer is: Yes.", True, "x. The answer is yes.", True, True, False),
+        ("yes", True, "yes", False, False, False),
+        ("the answer is maybe", False, "maybe.", True, True, False),
+        ("the answer is no", True, "The answer is yes", False, True, False),
     ],
     "exact": [
-        (" 1 2 3\n", True, "1 2 3", True, True),
-        ("1 2 4", True, "1 2 3", False, True),
-        ("", False, "x", False, True),  # an empty reply is an (empty, wrong) answer
+        (" 1 2 3\n", True, "1 2 3", True, True, False),
+        ("1 2 4", True, "1 2 3", False, True, False),
+        ("", False, "x", False, True, False),  # an empty reply is an (empty, wrong) answer
+        ("1 2 3 4", True, "1 2 3", False, True, True),  # the whole reference, then more
     ],
     "regex": [
-        ("blah ANSWER: cat.", True, "ANSWER: cat", True, True),
-        ("blah ANSWER: dog", True, "cat", False, True),
-        ("no marker", True, "cat", False, False),
+        ("blah ANSWER: cat.", True, "ANSWER: cat", True, True, False),
+        ("blah ANSWER: dog", True, "cat", False, True, False),
+        ("no marker", True, "cat", False, False, False),
     ],
 }
 
@@ -477,21 +478,23 @@ def test_chat_score_equals_a_brute_force_count(metric):
   cases = CHAT_CASES[metric]
   n = len(cases)
   prompts = Prompts(np.zeros((n, 32), np.int32), np.ones((n, 32), bool),
-                    [reference for _, _, reference, _, _ in cases],
+                    [reference for _, _, reference, *_ in cases],
                     [{"prompt": f"q{i}"} for i in range(n)])
-  tokens = np.stack([chat_row(task, reply, stop) for reply, stop, _, _, _ in cases])
+  tokens = np.stack([chat_row(task, reply, stop) for reply, stop, *_ in cases])
   num_canvases = np.arange(n) % 4 + 1
   metrics, records = task.score(prompts, tokens, {"num_canvases": num_canvases})
   want = {"accuracy": sum(c[3] for c in cases) / n, "answered": sum(c[4] for c in cases) / n,
-          "stopped": sum(c[1] for c in cases) / n,
+          "stopped": sum(c[1] for c in cases) / n, "overran": sum(c[5] for c in cases) / n,
           "canvases_per_reply": float(sum(num_canvases)) / n}
   assert sorted(metrics) == sorted(want)
   for key, value in want.items():
     assert metrics[key] == pytest.approx(value, rel=RTOL), (key, metrics[key], value)
-  for i, ((reply, _, reference, correct, answered), record) in enumerate(zip(cases, records)):
+  for i, ((reply, _, reference, correct, answered, overran), record) in enumerate(
+      zip(cases, records)):
     assert record["reply"] == reply and record["reference"] == reference, i
     assert record["correct"] is correct, (i, reply, record)
     assert (record["answer"] is not None) is answered, (i, reply, record)
+    assert record["overran"] is overran, (i, reply, record)
     assert record["prompt"] == f"q{i}"
 
 
@@ -500,5 +503,5 @@ def test_chat_score_without_num_canvases_reports_no_canvas_mean():
   prompts = Prompts(np.zeros((2, 32), np.int32), np.ones((2, 32), bool), ["a", "b"], None)
   tokens = np.stack([chat_row(task, "a", True), chat_row(task, "c", False)])
   metrics, records = task.score(prompts, tokens, {})
-  assert metrics == {"accuracy": 0.5, "answered": 1.0, "stopped": 0.5}
+  assert metrics == {"accuracy": 0.5, "answered": 1.0, "stopped": 0.5, "overran": 0.0}
   assert [r["correct"] for r in records] == [True, False]
