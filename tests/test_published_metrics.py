@@ -428,8 +428,8 @@ def test_evaluate_merges_task_and_sampler_metrics_over_padded_batches():
 
 # ----------------------------------------------------------------------------- chat scoring
 
-# (reply, stop, reference, correct, answered, overran) by hand; "stop": the reply ends with end-of-turn
-# within the budget (else the row is cut with no stop id).
+# (reply, stop, reference, correct, answered, overran) by hand; "stop": the reply ends with
+# end-of-turn within the budget (else the row is cut with no stop id).
 CHAT_CASES = {
     "gsm8k": [
         ("3 + 4 = 7\n#### 7.0", True, "so\n#### 7", True, True, False),
