@@ -4,8 +4,11 @@
       --config.data.train=/tmp/count.jsonl [--config.sdrl.reward_fn=my_module:my_reward]
 
 Rollout prompts are the training file's conversations (each example's history), G replies
-each; the reward is the task's answer metric against the data's reply (`sdrl.reward`: "exact"
-by default, or "choice", "gsm8k", "regex"), or a function of yours named by `sdrl.reward_fn`
+each; the reward is graded by default (`sdrl.reward.name="prefix"`: the share of the reference
+the reply gets right from its start, charged for every character past the reference's end; see
+diffgemma/tasks/text_metrics.py), so that a group whose replies are all wrong still ranks them.
+It can be the task's answer metric against the data's reply ("exact", "choice", "gsm8k",
+"regex": 1 or 0), or a function of yours named by `sdrl.reward_fn`
 ("package.module:function", called as function(prompt, reply, reference) -> float in [0, 1];
 prompt: the last user turn's text, reply: the generated text up to its first stop token,
 reference: the data's reply; importable from PYTHONPATH). The model, objective, data, sampler and
@@ -45,7 +48,8 @@ def get_config(variant: str = "count"):
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,
       "reward": {
-          "name": "exact",  # the task's metric: "exact" | "choice" | "gsm8k" | "regex"
+          # "prefix" (graded) | a metric: "exact" | "choice" | "gsm8k" | "regex" (1 or 0)
+          "name": "prefix",
           "step_penalty": 0.0,  # x steps per canvas / max denoising steps
           "length_penalty": 0.0,  # x generated tokens / max_new_tokens
       },

@@ -16,7 +16,7 @@ from transformers.utils import chat_template_utils
 
 from diffgemma.io import chat_template
 from diffgemma.io import tokenizer as tokenizer_lib
-from diffgemma.tasks import make_task
+from diffgemma.tasks import make_task, text_metrics
 from tests.helpers import write_sentencepiece, write_tokenizer_json
 from tests.helpers import GEMMA_LIKE_TEMPLATE, write_jsonl, chat, make_config
 
@@ -463,6 +463,36 @@ def test_rollouts_and_rewards(tmp_path, monkeypatch):
   c.sdrl = {"reward": "bleu"}
   with pytest.raises(ValueError, match="sdrl.reward"):
     make_task(c)
+
+
+def test_the_graded_prefix_reward_ranks_wrong_replies(tmp_path):
+  """sdrl.reward="prefix": shared leading characters over the longer text, counted by hand; a
+  group whose replies are all wrong still gets a spread (an exact reward would give 0 to all)."""
+  reference = "5 6 7 8 9 10"  # 12 characters
+  cases = {
+      reference: 1.0,  # exact
+      " 5 6 7 8 9 10 ": 1.0,  # stripped as the exact metric strips
+      "5 6 7": 5 / 12,  # stopped early, right so far
+      "5 6 7 8 9 10 11 12": 12 / 18,  # ran 6 characters past the end
+      "5 6 8 9 10 11": 4 / 13,  # a wrong number at character 5
+      "": 0.0,
+      "9": 0.0,
+  }
+  for reply, expected in cases.items():
+    assert text_metrics.prefix_score(reply, reference) == pytest.approx(expected, abs=1e-12), reply
+  assert text_metrics.prefix_score("", "") == 1.0
+  with pytest.raises(ValueError, match="graded reward"):
+    text_metrics.graded("bleu", "a", "a")
+
+  path = write_jsonl(tmp_path / "d.jsonl", [chat("q", reference)])
+  c = make_config(path, prompt_len=32, num_canvases=8)  # room for the longest reply
+  c.sdrl = {"reward": {"name": "prefix"}}
+  task = make_task(c)
+  group = task.rollout_prompts(0, 1).repeat(len(cases))
+  rows = np.stack([reply_row(task, reply) for reply in cases])
+  score, correct = task.reward(group, rows)
+  np.testing.assert_allclose(score, list(cases.values()), atol=1e-6)
+  np.testing.assert_array_equal(correct, np.asarray(list(cases.values())) >= 1)
 
 
 def test_a_memory_plan_of_a_chat_recipe_needs_no_tokenizer_or_data(tmp_path):

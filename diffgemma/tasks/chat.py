@@ -131,9 +131,9 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
     if isinstance(reward, (dict, ml_collections.ConfigDict)):  # a {"name": ...} section
       reward = reward.get("name", DEFAULT_REWARD)
     reward_fn = sdrl.get("reward_fn", "") or ""
-    if reward not in text_metrics.METRICS:
+    if reward not in text_metrics.METRICS + text_metrics.GRADED:
       raise ValueError(f"unknown sdrl.reward {reward!r} for the chat task; choose one of "
-                       f"{text_metrics.METRICS} (or set sdrl.reward_fn)")
+                       f"{text_metrics.METRICS + text_metrics.GRADED} (or set sdrl.reward_fn)")
     if reward == "regex" and not answer_regex:
       raise ValueError("sdrl.reward='regex' needs eval.answer_regex")
   return ChatSettings(
@@ -238,7 +238,8 @@ class ChatTask(RlTask):
     self.settings, self.tokenizer, self._layout = settings, tok, layout
     self._declared_stop_ids = tuple(int(i) for i in declared_stop_ids)
     self._pattern = text_metrics.check_metric(settings.metric, settings.answer_regex)
-    self._reward_pattern = text_metrics.check_metric(settings.reward, settings.answer_regex)
+    self._reward_pattern = (None if settings.reward in text_metrics.GRADED else
+                            text_metrics.check_metric(settings.reward, settings.answer_regex))
     self._reward_fn = load_reward_fn(settings.reward_fn) if settings.reward_fn else None
     # `chat_prompts=False` (sample.py --chat=false): plain-text prompts, no template needed.
     min_prompt = ((1 if self._starts_with_bos() else 0) + len(self.generation_prompt_ids()) + 1
@@ -638,10 +639,14 @@ class ChatTask(RlTask):
     return self._example_prompts(examples)
 
   def reward(self, prompts: Prompts, tokens_BxL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """sdrl.reward's verdict (1 or 0), or sdrl.reward_fn's value clipped to [0, 1]."""
+    """sdrl.reward's verdict (1 or 0) or graded score (text_metrics.GRADED), or
+    sdrl.reward_fn's value clipped to [0, 1]; a row is correct when it scores 1."""
     scores = []
     for i, row in enumerate(np.asarray(tokens_BxL)):
       reply, reference = self.reply_text(row), prompts.references[i]
+      if self._reward_fn is None and self.settings.reward in text_metrics.GRADED:
+        scores.append(text_metrics.graded(self.settings.reward, reply, reference))
+        continue
       if self._reward_fn is None:
         scores.append(float(text_metrics.judge(self.settings.reward, reply, reference,
                                                self._reward_pattern).correct))

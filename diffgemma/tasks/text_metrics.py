@@ -11,8 +11,16 @@
   regex   the first group of `answer_regex`'s first match, stripped, compared as strings. The
           reference's answer: its own match, else the whole stripped reference.
 
-A reply without an extractable answer is wrong. Pure Python; used by the chat task's scoring,
-held-out evaluation and SD·RL rewards.
+A reply without an extractable answer is wrong.
+
+Graded rewards (SD·RL only: a score in [0, 1] instead of a verdict, so that a group of replies
+that are all wrong still ranks its members):
+  prefix  the characters the reply and the reference share from their start, over the longer
+          of the two (both stripped): 1 exactly when the reply is the reference; a reply that
+          stops early earns the share it got right, one that runs past the end is charged for
+          every extra character.
+
+Pure Python; used by the chat task's scoring, held-out evaluation and SD·RL rewards.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import decimal
 import re
 
 METRICS = ("exact", "choice", "gsm8k", "regex")
+GRADED = ("prefix",)
 CHOICES = ("yes", "no", "maybe")
 _CHOICE_MARKER = re.compile(r"\bthe answer is\s*:?\s*(yes|no|maybe)\b", re.IGNORECASE)
 _GSM8K_MARKER = re.compile(r"####\s*\$?\s*([-+]?[\d,]*\.?\d+)")
@@ -99,6 +108,28 @@ def judge(metric: str, reply: str, reference: str, pattern: re.Pattern | None = 
   expected = reference_answer(metric, reference, pattern)
   return Verdict(answer is not None and expected is not None and answer == expected, answer,
                  expected)
+
+
+def prefix_score(reply: str, reference: str) -> float:
+  """The graded reward "prefix" (module docstring): shared leading characters of the stripped
+  texts over the longer one's length; 1.0 when both are empty."""
+  reply, reference = reply.strip(), reference.strip()
+  longer = max(len(reply), len(reference))
+  if longer == 0:
+    return 1.0
+  shared = 0
+  for a, b in zip(reply, reference):
+    if a != b:
+      break
+    shared += 1
+  return shared / longer
+
+
+def graded(name: str, reply: str, reference: str) -> float:
+  """A graded reward of GRADED by name."""
+  if name == "prefix":
+    return prefix_score(reply, reference)
+  raise ValueError(f"unknown graded reward {name!r}; choose one of {GRADED}")
 
 
 def _number(text: str) -> str | None:
