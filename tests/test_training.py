@@ -240,6 +240,16 @@ def test_training_resumes_exactly(tmp_path):
   assert os.listdir(os.path.join(straight, "tensorboard"))
 
 
+def test_periodic_eval_in_ar_mode_draws_no_denoising_traces(tmp_path):
+  """sampler.mode="ar" in a run's config: the periodic eval decodes left to right, and the
+  denoising traces it would draw (eval.trace_examples) are skipped (AR records no trajectory)."""
+  config = tiny_sudoku_config(workdir_steps=2)
+  config.eval.update(dict(every_steps=2, num_puzzles=2, batch_size=2, trace_examples=1))
+  config.sampler.mode = "ar"
+  last = loop.train(config, str(tmp_path / "run"))
+  assert 0.0 <= last["eval/cell_accuracy"] <= 1.0
+
+
 def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_the_history():
   """The decoder CE of canvas k, computed as sft_loss does (one encoder pass over the whole
   clean sequence, the decoder limited to the prefix before canvas k), equals the CE of the same

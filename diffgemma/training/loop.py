@@ -280,7 +280,9 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   eval_prompts = task.eval_prompts() if eval_cfg.every_steps > 0 else None
   eval_sampler_cfg = run.sampler.with_stops(task.stop_token_ids)
   generate_fn = sampler.make_generate_fn(model_cfg, eval_sampler_cfg)
-  trace_rows = min(eval_cfg.trace_examples, len(eval_prompts or ()))
+  # Denoising traces exist in diffusion mode only (AR decoding records no trajectory).
+  trace_rows = (min(eval_cfg.trace_examples, len(eval_prompts or ()))
+                if eval_sampler_cfg.mode == sampler.DIFFUSION else 0)
   trace_fn = (sampler.make_generate_fn(model_cfg, eval_sampler_cfg.replace(record_trajectory=True))
               if trace_rows else None)
   stage.start(state, frozen, start_step, workdir)
