@@ -74,6 +74,11 @@ class SamplerConfig:
   ar_fallback: str = FALLBACK_OFF
   ar_fallback_entropy: float = 1.0
   ar_fallback_after_steps: int = 8
+  # Stops in order (diffusion mode; False = the reference's acceptance exactly): a drawn stop
+  # token is kept in the canvas only when every position to its left is kept in the same step,
+  # so a confident EOS tail cannot fix the reply's length before its content (the blocked
+  # positions are left out of the entropy ranking and renoised; `accept_in_order`).
+  stop_in_order: bool = False
 
   def __post_init__(self):
     if self.mode not in (DIFFUSION, AR):
@@ -102,6 +107,8 @@ class SamplerConfig:
         and not 1 <= self.ar_fallback_after_steps <= self.max_denoising_steps):
       raise ValueError(f"ar_fallback_after_steps must be in 1..max_denoising_steps "
                        f"(got {self.ar_fallback_after_steps})")
+    if self.stop_in_order and self.mode != DIFFUSION:
+      raise ValueError("stop_in_order applies to mode='diffusion'")
     if self.ar_fallback_entropy < 0:
       raise ValueError("ar_fallback_entropy must be >= 0")
     object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
@@ -191,6 +198,22 @@ def entropy_bounded_accept(entropy_BxC, bound: float):
   accept_sorted_BxC = jnp.cumsum(sorted_BxC, axis=-1) - sorted_BxC <= bound
   rows_Bx1 = jnp.arange(entropy_BxC.shape[0])[:, None]
   return jnp.zeros_like(accept_sorted_BxC).at[rows_Bx1, order_BxC].set(accept_sorted_BxC)
+
+
+def accept_in_order(entropy_BxC, sampled_BxC, bound: float, stop_token_ids: tuple[int, ...]):
+  """Entropy-bounded acceptance [B, C] bool in which no stop token is kept while a position to
+  its left is not (SamplerConfig.stop_in_order).
+
+  The plain acceptance decides which positions are kept; a drawn stop token with an unkept
+  position to its left is blocked, and the acceptance is taken again with the blocked positions
+  out of the ranking (their entropy spends none of the bound). The leftmost position is never
+  blocked, so every row keeps at least one position, as in the plain acceptance.
+  """
+  first_BxC = entropy_bounded_accept(entropy_BxC, bound)
+  unkept_left_BxC = jnp.cumsum(~first_BxC, axis=-1) - (~first_BxC) > 0
+  blocked_BxC = is_stop(sampled_BxC, stop_token_ids) & unkept_left_BxC
+  ranked_BxC = jnp.where(blocked_BxC, jnp.inf, entropy_BxC)
+  return entropy_bounded_accept(ranked_BxC, bound) & ~blocked_BxC
 
 
 def init_stability_history(batch: int, canvas_length: int, cfg: SamplerConfig):
@@ -381,7 +404,11 @@ def _accept_and_renoise(state: DenoiseState, sampled_BxC, argmax_BxC, entropy_Bx
                         model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
   """Keep the entropy-bounded accepted draws, renoise the rest with uniform tokens; finished
   rows keep their canvas and argmax. Returns (canvas_BxC, argmax_BxC, accepted_BxC)."""
-  accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound)
+  if sampler_cfg.stop_in_order:
+    accepted_BxC = accept_in_order(entropy_BxC, sampled_BxC, sampler_cfg.entropy_bound,
+                                   stop_ids(model_cfg, sampler_cfg))
+  else:
+    accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound)
   noise_BxC = jax.random.randint(noise_key, sampled_BxC.shape, 0, model_cfg.vocab_size,
                                  jnp.int32)
   canvas_BxC = jnp.where(accepted_BxC, sampled_BxC, noise_BxC)
