@@ -16,7 +16,17 @@ fixed noise level t with the training corruption, no self-conditioning. Reported
     stop tokens in place (the position of the end can then be read off the canvas itself).
 At t = 1 nothing of the canvas is shown: the end must come from the prompt and the cache. A run
 whose stop_exact is high at small t and low at t = 1 reads the end off visible EOS tokens, not
-off the request. Reads LoRA runs with their adapters merged, as eval.py does.
+off the request.
+
+The encoder's next-token head (what AR decoding and AR fallback read), teacher-forced over each
+clean reply, is reported once:
+  * ar_stop_exact: the first reply position whose argmax is a stop token is the reference's end
+    (the position whose next token is the end-of-turn): greedy AR decoding would stop there;
+  * ar_stop_top: the end is the reply position where the stop probability is highest (the model
+    tells the end apart from the rest even when the probability stays below the argmax's);
+  * ar_stop_prob_end / ar_stop_prob_rest: the mean stop probability at the end, and at the other
+    reply positions before it.
+Reads LoRA runs with their adapters merged, as eval.py does.
 """
 
 import json
@@ -103,6 +113,46 @@ def make_probe(model_cfg, layout, stop_ids, noise_schedule: str):
   return probe
 
 
+def make_encoder_probe(model_cfg, layout, stop_ids):
+  """The encoder head's stop figures (module docstring) over the clean sequences of a batch."""
+  import jax
+  import jax.numpy as jnp
+
+  from diffgemma.model import network
+
+  p = layout.prompt_len
+  length = p + layout.num_canvases * layout.canvas_length
+  stop_ids = jnp.asarray(stop_ids)
+
+  @jax.jit
+  def probe(params, tokens_NxL, valid_NxL, stop_canvas_N, end_N):
+    n = tokens_NxL.shape[0]
+    hidden, _ = network.encode(params, model_cfg, tokens_NxL, network.init_cache(model_cfg, n,
+                                                                                 length),
+                               valid_NxL)
+    log_probs_NxLxV = jax.nn.log_softmax(network.lm_head(params, hidden, model_cfg), -1)
+    stop_prob_NxL = jnp.exp(jax.nn.logsumexp(log_probs_NxLxV[..., stop_ids], -1))
+    argmax_stop_NxL = jnp.isin(jnp.argmax(log_probs_NxLxV, -1), stop_ids)
+    # Position q predicts slot q + 1: the reply's first token is predicted at p - 1, and the
+    # end-of-turn at slot p + k*C + e is predicted at the end position one before it.
+    end_at_N = p - 1 + stop_canvas_N * layout.canvas_length + end_N
+    slot_L = jnp.arange(length)
+    in_reply_NxL = (slot_L[None] >= p - 1) & (slot_L[None] <= end_at_N[:, None])
+    first_stop_N = jnp.argmax(argmax_stop_NxL & in_reply_NxL, -1)
+    any_stop_N = (argmax_stop_NxL & in_reply_NxL).any(-1)
+    top_N = jnp.argmax(jnp.where(in_reply_NxL, stop_prob_NxL, -1.0), -1)
+    at_end_NxL = slot_L[None] == end_at_N[:, None]
+    rest_NxL = in_reply_NxL & ~at_end_NxL
+    return {
+        "ar_stop_exact": jnp.mean(any_stop_N & (first_stop_N == end_at_N)),
+        "ar_stop_top": jnp.mean(top_N == end_at_N),
+        "ar_stop_prob_end": jnp.sum(stop_prob_NxL * at_end_NxL) / n,
+        "ar_stop_prob_rest": jnp.sum(stop_prob_NxL * rest_NxL) / jnp.maximum(rest_NxL.sum(), 1),
+    }
+
+  return probe
+
+
 def diagnose(workdir: str, data: str, num: int, levels, seed: int = 0) -> dict:
   import jax
 
@@ -120,6 +170,10 @@ def diagnose(workdir: str, data: str, num: int, levels, seed: int = 0) -> dict:
   for i, t in enumerate(levels):
     numbers = probe(run.params, *batch, t, jax.random.PRNGKey(seed * 1000 + i))
     out["levels"][str(t)] = {k: float(v) for k, v in numbers.items()}
+  tokens, valid, _, stop_canvas, end = batch
+  encoder = make_encoder_probe(run.model_cfg, run.task.layout, run.task.stop_token_ids)
+  out["encoder"] = {k: float(v) for k, v in encoder(run.params, tokens, valid, stop_canvas,
+                                                     end).items()}
   return out
 
 
@@ -130,6 +184,9 @@ def format_report(result: dict) -> str:
            "| t | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
   for t, numbers in result["levels"].items():
     lines.append(f"| {t} | " + " | ".join(f"{numbers[k]:.3f}" for k in keys) + " |")
+  if "encoder" in result:
+    lines.append("encoder head, teacher-forced: " + " ".join(
+        f"{k}={v:.3f}" for k, v in result["encoder"].items()))
   return "\n".join(lines)
 
 

@@ -73,3 +73,48 @@ def test_probe_shares_equal_a_brute_force_count(tmp_path):
   np.testing.assert_allclose(float(out["stop_early"]), early / 8, atol=1e-6)
   np.testing.assert_allclose(float(out["stop_late"]), late / 8, atol=1e-6)
   np.testing.assert_allclose(float(out["content_accuracy"]), correct / max(total, 1), atol=1e-6)
+
+
+def test_encoder_probe_against_a_loop_over_designed_logits(tmp_path, monkeypatch):
+  """The encoder head's figures on logits made by hand (random, with large stop logits planted
+  at chosen slots), against a per-row loop over slot indices read off the tokens."""
+  path = write_jsonl(tmp_path / "d.jsonl", [chat(f"q{i}", "ab" * i) for i in range(1, 9)])
+  config = make_config(path, canvas_length=4, prompt_len=16, num_canvases=5)
+  task = make_task(config)
+  cfg = ModelConfig(**{**config.model.to_dict(), "hidden_size": 32, "intermediate_size": 32,
+                       "num_layers": 1, "layer_types": (), "moe_intermediate_size": 16})
+  params = network.init_params(cfg, jax.random.PRNGKey(1))
+  tokens, valid, _, stop_canvas, end = diag.stop_canvas_batch(task, path, num=8)
+  n, length = tokens.shape
+  eot = task.tokenizer.eot_id
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(n, length, cfg.vocab_size)).astype(np.float32)
+  ends = [int(np.flatnonzero(tokens[i, 16:] == eot)[0]) + 16 - 1 for i in range(n)]
+  for i in range(n):  # a planted stop at the end (rows 0-3), one before it (rows 2, 4) or none
+    if i < 4:
+      logits[i, ends[i], eot] = 30.0
+    if i in (2, 4):
+      logits[i, ends[i] - 1, eot] = 20.0
+  monkeypatch.setattr(network, "lm_head", lambda params, h, cfg: jnp.asarray(logits))
+  out = diag.make_encoder_probe(cfg, task.layout, task.stop_token_ids)(params, tokens, valid,
+                                                                          stop_canvas, end)
+  jax.clear_caches()
+
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  stop = probs[..., list(task.stop_token_ids)].sum(-1)
+  argmax_stop = np.isin(logits.argmax(-1), task.stop_token_ids)
+  exact = top = 0
+  at_end, rest = [], []
+  for i in range(n):
+    reply = range(16 - 1, ends[i] + 1)  # the positions that predict the reply's tokens
+    firsts = [q for q in reply if argmax_stop[i, q]]
+    exact += bool(firsts) and firsts[0] == ends[i]
+    top += max(reply, key=lambda q: stop[i, q]) == ends[i]
+    at_end.append(stop[i, ends[i]])
+    rest += [stop[i, q] for q in reply if q != ends[i]]
+  assert exact == 3 and top == 4  # rows 0, 1, 3 stop at the end; rows 2, 4 one before it
+  np.testing.assert_allclose(float(out["ar_stop_exact"]), exact / n, atol=1e-6)
+  np.testing.assert_allclose(float(out["ar_stop_top"]), top / n, atol=1e-6)
+  np.testing.assert_allclose(float(out["ar_stop_prob_end"]), np.mean(at_end), rtol=1e-5)
+  np.testing.assert_allclose(float(out["ar_stop_prob_rest"]), np.mean(rest), rtol=1e-5)
