@@ -71,9 +71,9 @@ STOP_CHECK_STEP, STOP_OVERRUN_WARNING = 700, 0.25
 # opt-in rule beyond the reference sampler; --sampler.ar_fallback= turns it off).
 VARIANT_SAMPLERS = {"sort": dict(ar_fallback="entropy", ar_fallback_after_steps=1,
                                  ar_fallback_entropy=0.1)}
-# Schedules whose cosine decay ends inside 30 minutes (sort: 1400 steps in 24 minutes on one core
-# of a 2-core CPU; benchmarks/RESULTS.md).
-VARIANT_STEPS = {"sort": 1400, "infill_count": 2200}
+# Schedules whose cosine decay ends inside 30 minutes on one core of a 2-core CPU (count: 1400
+# steps in 30 minutes, sort: 1400 in 22-24; benchmarks/RESULTS.md).
+VARIANT_STEPS = {"count": 1400, "sort": 1400, "infill_count": 2200}
 LAYOUTS = {"count": dict(prompt_len=48, num_canvases=6),
            "sort": dict(prompt_len=96, num_canvases=2),
            "infill_count": dict(prompt_len=40, num_canvases=1)}
