@@ -539,3 +539,17 @@ def test_dry_run_plans_the_rollout_and_the_update_on_two_devices():
     line = next(l for l in out.splitlines() if l.startswith(f"{program}: peak "))
     peak = float(line.split()[len(program.split()) + 1])
     assert 0 < peak < 1.0 and "fits" in line, line
+
+
+def test_rollout_metrics_count_the_groups_with_a_spread():
+  """Three groups of 3 rewards, counted by hand: (1, 0.5, 0.5) and (0.2, 0, 0) have a spread,
+  (0, 0, 0) has none; of the correct flags only the first group is mixed."""
+  reward = np.array([1, .5, .5, .2, 0, 0, 0, 0, 0], np.float32)
+  rewarded = {"reward": reward, "score": reward, "correct": reward >= 1}
+  stats = {"tokens_per_forward": np.ones(9), "steps_per_canvas": np.ones(9)}
+  cfg = sdrl.SdrlConfig(group_size=3, prompts_per_rollout=3)
+  metrics = sdrl._rollout_metrics(stats, rewarded, np.ones(9), cfg)
+  assert metrics["rollout/groups_with_spread"] == pytest.approx(2 / 3)
+  assert metrics["rollout/correct_groups_with_spread"] == pytest.approx(1 / 3)
+  assert metrics["rollout/group_reward_std"] == pytest.approx(
+      np.mean([np.std([1, .5, .5]), np.std([.2, 0, 0]), 0.0]))

@@ -429,11 +429,17 @@ def stream_key(state_rng, stream: int, step):
 
 
 def _rollout_metrics(stats: dict, rewarded: dict, weight_B, cfg: SdrlConfig) -> dict:
+  """A rollout's scalars. groups_with_spread: the share of prompts whose G rewards are not all
+  equal (a group without one has zero advantage everywhere); correct_groups_with_spread: the
+  same for the 0/1 `correct` flags, i.e. what an exact-match reward would have given."""
   reward_PxG = rewarded["reward"].reshape(-1, cfg.group_size)
+  correct_PxG = np.asarray(rewarded["correct"]).reshape(-1, cfg.group_size)
   return {
       "rollout/reward_mean": float(np.mean(rewarded["reward"])),
       "rollout/reward_std": float(np.std(rewarded["reward"])),
       "rollout/group_reward_std": float(np.mean(np.std(reward_PxG, axis=1))),
+      "rollout/groups_with_spread": float(np.mean(np.ptp(reward_PxG, axis=1) > 0)),
+      "rollout/correct_groups_with_spread": float(np.mean(correct_PxG.any(1) & ~correct_PxG.all(1))),
       "rollout/score_mean": float(np.mean(rewarded["score"])),
       "rollout/accuracy": float(np.mean(rewarded["correct"])),
       "rollout/tokens_per_forward": float(np.mean(stats["tokens_per_forward"])),
