@@ -1,0 +1,163 @@
+"""The training step of several code trees or environments, timed side by side on one machine.
+
+  python benchmarks/step_ab.py --variant=main:origin/main --variant=this:. \
+      [--variant="xnn:.:XLA_FLAGS='--xla_cpu_use_xnnpack=true'"] [--config=sft_sudoku] \
+      [--rounds=8] [--steps_per_round=5] [--config_overrides=KEY=VALUE,...]
+
+Each `--variant=LABEL:SOURCE[:ENV]` is one process: SOURCE is `.` (this working tree) or a git
+ref (checked out into a temporary worktree, removed at the end); ENV is shell-style
+`VAR=VALUE` assignments added to that process's environment (XLA flags, thread counts, a forced
+device count). Every process builds the config's SFT update step from its own tree, compiles it
+and runs one step; then the parent runs the processes' timed rounds one after another,
+round-robin, so that a machine whose speed drifts affects every variant alike, and only one
+process computes at a time. Prints the median ms per step of each variant and its speedup over
+the first. Absolute numbers depend on the machine; the ratios are what to compare.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from absl import app, flags
+
+_VARIANTS = flags.DEFINE_multi_string("variant", None, "LABEL:SOURCE[:ENV] (see the docstring).")
+_CONFIG = flags.DEFINE_string("config", "sft_sudoku", "Config name (configs/NAME.py[:VARIANT]).")
+_OVERRIDES = flags.DEFINE_string("config_overrides", "", "KEY=VALUE,... applied in every variant.")
+_ROUNDS = flags.DEFINE_integer("rounds", 8, "Round-robin rounds (the median is kept).")
+_STEPS = flags.DEFINE_integer("steps_per_round", 5, "Steps per timed round.")
+_CHILD = flags.DEFINE_string("child", None, "Internal: the source tree this process times.")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_config(tree: str, name: str, overrides: str):
+  """The tree's configs/NAME.py get_config(VARIANT), with 'KEY=VALUE,...' applied."""
+  import importlib.util
+
+  name, _, variant = name.partition(":")
+  spec = importlib.util.spec_from_file_location(name, os.path.join(tree, "configs", name + ".py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(variant) if variant else module.get_config()
+  for item in filter(None, overrides.split(",")):
+    key, value = item.split("=", 1)
+    *path, last = key.strip().split(".")
+    node = config
+    for part in path:
+      node = node[part]
+    current = node[last]
+    node[last] = (value.lower() in ("1", "true") if isinstance(current, bool)
+                  else type(current)(value))
+  return config
+
+
+def child(tree: str):
+  """Builds and compiles the tree's update step, then times `steps_per_round` steps for every
+  'go' read from stdin, answering one JSON line each."""
+  sys.path.insert(0, tree)
+  sys.path.insert(0, os.path.join(tree, "configs"))
+  import jax
+
+  from diffgemma.runs import run_config, training_state
+  from diffgemma.tasks import make_task
+  from diffgemma.training import update_step
+  from diffgemma.training.stages import sft
+
+  config = _load_config(tree, _CONFIG.value, _OVERRIDES.value)
+  setup = training_state.make_setup(run_config.build(config))
+  state = training_state.init_state(setup)
+  stage = sft.SftStage(None, make_task(config), setup)
+  step_fn = update_step.make_update_step(setup, stage.loss_fn)
+  stage.start(state, None, 0, tempfile.mkdtemp(prefix="step_ab_run_"))
+  batches = [stage.next_batch(i, state, None)[0] for i in range(_STEPS.value + 1)]
+  state, metrics = step_fn(state, None, batches[0])
+  jax.block_until_ready(metrics)
+  print(json.dumps({"ready": True, "devices": jax.device_count(), "jax": jax.__version__}),
+        flush=True)
+  for line in sys.stdin:
+    if line.strip() != "go":
+      break
+    start = time.perf_counter()
+    for batch in batches[1:]:
+      state, metrics = step_fn(state, None, batch)
+    jax.block_until_ready(metrics)
+    print(json.dumps({"seconds": (time.perf_counter() - start) / _STEPS.value}), flush=True)
+
+
+def _source_tree(source: str, scratch: str) -> tuple[str, str]:
+  """(directory, commit) of `.` or of a git ref checked out into a worktree under `scratch`."""
+  if source == ".":
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return REPO, commit + ("+changes" if dirty else "")
+  directory = os.path.join(scratch, source.replace("/", "_"))
+  subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q", directory, source],
+                 check=True)
+  commit = subprocess.run(["git", "-C", directory, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+  return directory, commit
+
+
+def parent():
+  variants = []
+  for text in _VARIANTS.value or ["this:."]:
+    label, _, rest = text.partition(":")
+    source, _, env = rest.partition(":")
+    variants.append((label, source or ".", env))
+  scratch = tempfile.mkdtemp(prefix="step_ab_")
+  trees, processes = [], []
+  try:
+    for label, source, env in variants:
+      directory, commit = _source_tree(source, scratch)
+      if directory != REPO:
+        trees.append(directory)
+      extra = dict(item.split("=", 1) for item in shlex.split(env))
+      process = subprocess.Popen(
+          [sys.executable, os.path.abspath(__file__), f"--child={directory}",
+           f"--config={_CONFIG.value}", f"--config_overrides={_OVERRIDES.value}",
+           f"--steps_per_round={_STEPS.value}"],
+          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=directory,
+          env={**os.environ, **extra})
+      info = json.loads(process.stdout.readline())
+      print(f"{label}: {source} at {commit}, env {env or '-'}, {info['devices']} device(s), "
+            f"jax {info['jax']}", flush=True)
+      processes.append(process)
+    times = [[] for _ in processes]
+    for _ in range(_ROUNDS.value):
+      for process, record in zip(processes, times):
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        record.append(json.loads(process.stdout.readline())["seconds"])
+    for process in processes:
+      process.stdin.close()
+      process.wait()
+  finally:
+    for directory in trees:
+      subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", directory])
+  medians = [float(np.median(t)) for t in times]
+  print(f"{_CONFIG.value} {_OVERRIDES.value}: {_ROUNDS.value} interleaved rounds of "
+        f"{_STEPS.value} steps, median ms per step, speedup over {variants[0][0]}; "
+        f"{os.cpu_count()} CPUs")
+  for (label, _, _), seconds, record in zip(variants, medians, times):
+    spread = (min(record) * 1e3, max(record) * 1e3)
+    print(f"  {seconds * 1e3:8.1f} ms ({spread[0]:.0f}-{spread[1]:.0f})  "
+          f"{medians[0] / seconds:5.2f}x  {label}")
+
+
+def main(argv):
+  del argv
+  if _CHILD.value:
+    child(_CHILD.value)
+  else:
+    parent()
+
+
+if __name__ == "__main__":
+  app.run(main)
