@@ -112,7 +112,7 @@ def parent():
     source, _, env = rest.partition(":")
     variants.append((label, source or ".", env))
   scratch = tempfile.mkdtemp(prefix="step_ab_")
-  trees, processes = [], []
+  trees, processes, kept = [], [], []
   try:
     for label, source, env in variants:
       directory, commit = _source_tree(source, scratch)
@@ -125,10 +125,16 @@ def parent():
            f"--steps_per_round={_STEPS.value}"],
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=directory,
           env={**os.environ, **extra})
-      info = json.loads(process.stdout.readline())
+      line = process.stdout.readline()
+      if not line:  # the child died while compiling (e.g. a flag this CPU cannot run)
+        print(f"{label}: {source} at {commit}, env {env or '-'}: FAILED (exit code "
+              f"{process.wait()}), left out", flush=True)
+        continue
+      info = json.loads(line)
       print(f"{label}: {source} at {commit}, env {env or '-'}, {info['devices']} device(s), "
             f"jax {info['jax']}", flush=True)
       processes.append(process)
+      kept.append((label, source, env))
     times = [[] for _ in processes]
     for _ in range(_ROUNDS.value):
       for process, record in zip(processes, times):
@@ -141,6 +147,7 @@ def parent():
   finally:
     for directory in trees:
       subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", directory])
+  variants = kept
   medians = [float(np.median(t)) for t in times]
   print(f"{_CONFIG.value} {_OVERRIDES.value}: {_ROUNDS.value} interleaved rounds of "
         f"{_STEPS.value} steps, median ms per step, speedup over {variants[0][0]}; "
