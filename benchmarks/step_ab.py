@@ -17,6 +17,7 @@ the first. Absolute numbers depend on the machine; the ratios are what to compar
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,8 +74,9 @@ def child(tree: str):
   state = training_state.init_state(setup)
   stage = sft.SftStage(None, make_task(config), setup)
   step_fn = update_step.make_update_step(setup, stage.loss_fn)
-  stage.start(state, None, 0, tempfile.mkdtemp(prefix="step_ab_run_"))
-  batches = [stage.next_batch(i, state, None)[0] for i in range(_STEPS.value + 1)]
+  with tempfile.TemporaryDirectory(prefix="step_ab_run_") as workdir:
+    stage.start(state, None, 0, workdir)
+    batches = [stage.next_batch(i, state, None)[0] for i in range(_STEPS.value + 1)]
   state, metrics = step_fn(state, None, batches[0])
   jax.block_until_ready(metrics)
   print(json.dumps({"ready": True, "devices": jax.device_count(), "jax": jax.__version__}),
@@ -147,6 +149,7 @@ def parent():
   finally:
     for directory in trees:
       subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", directory])
+    shutil.rmtree(scratch, ignore_errors=True)
   variants = kept
   medians = [float(np.median(t)) for t in times]
   print(f"{_CONFIG.value} {_OVERRIDES.value}: {_ROUNDS.value} interleaved rounds of "

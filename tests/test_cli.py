@@ -64,3 +64,24 @@ def test_malformed_csv_row(tmp_path):
   good = "".join(map(str, puzzles[0])) + "," + "".join(map(str, solutions[0]))
   csv.write_text("quizzes,solutions\n" + good + "\n" + good[:-1] + "\n")
   one_line_error(run("eval.py", f"--workdir={new_run_dir(tmp_path)}", f"--data={csv}"), "line 3")
+
+
+def test_puzzle_lines_become_a_solved_csv(tmp_path):
+  """make_sudoku_csv.py --from_lines: '.'-blank lines with trailing comments and blank lines
+  in between; the CSV holds the first --num puzzles with the generator's (unique) solutions."""
+  puzzles, solutions = sudoku.generate_puzzles(3, 3, 30, 32)
+  lines = ["".join(str(d) if d else "." for d in p) for p in puzzles]
+  source = tmp_path / "puzzles.txt"
+  source.write_text(lines[0] + "  // a comment\n\n" + lines[1] + "\n" + lines[2] + "\n")
+  out = tmp_path / "out.csv"
+  r = run("scripts/make_sudoku_csv.py", f"--from_lines={source}", "--num=2", f"--out={out}")
+  assert r.returncode == 0, r.stderr
+  got_puzzles, got_solutions = sudoku.load_csv(out)
+  assert (got_puzzles == puzzles[:2]).all() and (got_solutions == solutions[:2]).all()
+
+
+def test_a_puzzle_line_without_a_unique_solution(tmp_path):
+  source = tmp_path / "puzzles.txt"
+  source.write_text("." * 81 + "\n")
+  r = run("scripts/make_sudoku_csv.py", f"--from_lines={source}", f"--out={tmp_path / 'o.csv'}")
+  one_line_error(r, "line 1", "no unique solution")
