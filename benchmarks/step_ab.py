@@ -36,25 +36,27 @@ _CHILD = flags.DEFINE_string("child", None, "Internal: the source tree this proc
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load_config(tree: str, name: str, overrides: str):
-  """The tree's configs/NAME.py get_config(VARIANT), with 'KEY=VALUE,...' applied."""
+def _load_config(tree: str, name: str):
+  """The tree's configs/NAME.py get_config(VARIANT)."""
   import importlib.util
 
   name, _, variant = name.partition(":")
   spec = importlib.util.spec_from_file_location(name, os.path.join(tree, "configs", name + ".py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config(variant) if variant else module.get_config()
-  for item in filter(None, overrides.split(",")):
-    key, value = item.split("=", 1)
-    *path, last = key.strip().split(".")
-    node = config
-    for part in path:
-      node = node[part]
-    current = node[last]
-    node[last] = (value.lower() in ("1", "true") if isinstance(current, bool)
-                  else type(current)(value))
-  return config
+  return module.get_config(variant) if variant else module.get_config()
+
+
+def _sft_step_module():
+  """benchmarks/sft_step.py of this file's tree, by path: a timed tree (an older git ref) may
+  not have it."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(
+      "sft_step", os.path.join(os.path.dirname(os.path.abspath(__file__)), "sft_step.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def child(tree: str):
@@ -64,19 +66,9 @@ def child(tree: str):
   sys.path.insert(0, os.path.join(tree, "configs"))
   import jax
 
-  from diffgemma.runs import run_config, training_state
-  from diffgemma.tasks import make_task
-  from diffgemma.training import update_step
-  from diffgemma.training.stages import sft
-
-  config = _load_config(tree, _CONFIG.value, _OVERRIDES.value)
-  setup = training_state.make_setup(run_config.build(config))
-  state = training_state.init_state(setup)
-  stage = sft.SftStage(None, make_task(config), setup)
-  step_fn = update_step.make_update_step(setup, stage.loss_fn)
-  with tempfile.TemporaryDirectory(prefix="step_ab_run_") as workdir:
-    stage.start(state, None, 0, workdir)
-    batches = [stage.next_batch(i, state, None)[0] for i in range(_STEPS.value + 1)]
+  sft_step = _sft_step_module()
+  config = sft_step.with_overrides(_load_config(tree, _CONFIG.value), _OVERRIDES.value)
+  step_fn, state, batches = sft_step.build_step(config, _STEPS.value + 1)
   state, metrics = step_fn(state, None, batches[0])
   jax.block_until_ready(metrics)
   print(json.dumps({"ready": True, "devices": jax.device_count(), "jax": jax.__version__}),

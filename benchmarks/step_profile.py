@@ -39,10 +39,7 @@ from jax._src import profiler as jax_profiler  # noqa: E402  ProfileData: the tr
 from ml_collections import config_flags  # noqa: E402
 
 from diffgemma import cli  # noqa: E402
-from diffgemma.runs import run_config, training_state  # noqa: E402
-from diffgemma.tasks import make_task  # noqa: E402
-from diffgemma.training import update_step  # noqa: E402
-from diffgemma.training.stages import sft  # noqa: E402
+from benchmarks.sft_step import build_step, with_overrides  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (median kept).")
@@ -219,31 +216,6 @@ def matmul_peak(size: int, dtype) -> float:
     fn(a, b).block_until_ready()
     best = min(best, time.perf_counter() - start)
   return 10 * 2 * size ** 3 / best / 1e9
-
-
-def build_step(config, steps: int):
-  """(jitted update step, initial state, `steps` batches) of an SFT config."""
-  setup = training_state.make_setup(run_config.build(config))
-  state = training_state.init_state(setup)
-  stage = sft.SftStage(None, make_task(config), setup)
-  step_fn = update_step.make_update_step(setup, stage.loss_fn)
-  stage.start(state, None, 0, tempfile.mkdtemp(prefix="step_profile_run_"))
-  return step_fn, state, [stage.next_batch(i, state, None)[0] for i in range(steps)]
-
-
-def with_overrides(config, overrides: str):
-  """A copy of `config` with 'KEY=VALUE,KEY=VALUE' applied (values parsed as the key's type)."""
-  config = config.copy_and_resolve_references()
-  for item in filter(None, overrides.split(",")):
-    key, value = item.split("=", 1)
-    *path, last = key.strip().split(".")
-    node = config
-    for part in path:
-      node = node[part]
-    current = node[last]
-    node[last] = (value.lower() in ("1", "true") if isinstance(current, bool)
-                  else type(current)(value))
-  return config
 
 
 def compare(config, variants: list[str], rounds: int, steps: int = 6):

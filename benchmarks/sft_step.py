@@ -1,0 +1,40 @@
+"""The SFT update step of a config, built for timing: shared by step_profile.py and step_ab.py.
+
+diffgemma is imported inside the functions, so each of step_ab.py's processes builds the step
+from the code tree it times (that tree first on sys.path), while this file comes from the tree
+that runs the benchmark.
+"""
+
+import tempfile
+
+
+def with_overrides(config, overrides: str):
+  """A copy of `config` with 'KEY=VALUE,KEY=VALUE' applied (values parsed as the key's type)."""
+  config = config.copy_and_resolve_references()
+  for item in filter(None, overrides.split(",")):
+    key, value = item.split("=", 1)
+    *path, last = key.strip().split(".")
+    node = config
+    for part in path:
+      node = node[part]
+    current = node[last]
+    node[last] = (value.lower() in ("1", "true") if isinstance(current, bool)
+                  else type(current)(value))
+  return config
+
+
+def build_step(config, steps: int):
+  """(jitted update step, initial state, `steps` batches) of an SFT config."""
+  from diffgemma.runs import run_config, training_state
+  from diffgemma.tasks import make_task
+  from diffgemma.training import update_step
+  from diffgemma.training.stages import sft
+
+  setup = training_state.make_setup(run_config.build(config))
+  state = training_state.init_state(setup)
+  stage = sft.SftStage(None, make_task(config), setup)
+  step_fn = update_step.make_update_step(setup, stage.loss_fn)
+  with tempfile.TemporaryDirectory(prefix="sft_step_run_") as workdir:
+    stage.start(state, None, 0, workdir)
+    batches = [stage.next_batch(i, state, None)[0] for i in range(steps)]
+  return step_fn, state, batches
