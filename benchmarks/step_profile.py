@@ -42,8 +42,8 @@ from diffgemma import cli  # noqa: E402
 from benchmarks.sft_step import build_step, with_overrides  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (median kept).")
-_TRACE_STEPS = flags.DEFINE_integer("trace_steps", 5, "Steps under the profiler.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (median kept).", lower_bound=1)
+_TRACE_STEPS = flags.DEFINE_integer("trace_steps", 5, "Steps under the profiler.", lower_bound=1)
 _COMPARE = flags.DEFINE_string("compare", "", "Variants to time side by side: 'K=V,K=V;K=V'.")
 _ROUNDS = flags.DEFINE_integer("rounds", 6, "Round-robin rounds of --compare (median kept).")
 _PEAK_SIZE = flags.DEFINE_integer("peak_size", 1024, "Side of the square matmul for the peak.")
