@@ -1,6 +1,6 @@
 """SD·RL on Sudoku after SFT: the 2-core CPU default (docs/design.md, "SD·RL"; diffgemma/training/stages/sdrl.py).
 
-python train.py --config=sdrl_sudoku --workdir=runs/sdrl --init_from=runs/sudoku_b16
+python train.py --config=sdrl_sudoku --workdir=runs/sdrl --init_from=runs/sudoku
 
 The model, objective pieces (loss.*: t_eps, noise schedule, self-conditioning share of the "rl"
 mode and the "sft" anchor), data (the "sft" anchor's batches), sampler (evaluation) and eval

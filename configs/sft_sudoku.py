@@ -23,6 +23,9 @@ def get_config():
 
   # Objective: the decoder's denoising loss alone (prompt_len comes from the task).
   c.loss.encoder_loss_on_prompt = False
+  # Noise levels t = sqrt(u): more training near pure noise, where the sampler's first steps
+  # place most cells (benchmarks/RESULTS.md, 2026-12-06: the seed sweep against "uniform").
+  c.loss.t_distribution = "sqrt"
 
   # Training data: freshly generated puzzles, givens range moving from easy to the target mix.
   c.data = ml_collections.ConfigDict(dict(
