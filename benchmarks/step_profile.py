@@ -164,16 +164,16 @@ def _class_name(op: str) -> str:
 def trace_operations(step_fn, state, batches, classes, regions):
   """Profile `batches` steps; returns (wall s per step, {class: (s per step, ops per step)},
   {region: (s per step, ops per step)}, busy s per step, state)."""
-  directory = tempfile.mkdtemp(prefix="step_profile_")
-  jax.profiler.start_trace(directory)
-  start = time.perf_counter()
-  for batch in batches:
-    state, metrics = step_fn(state, None, batch)
-  jax.block_until_ready(metrics)
-  wall = time.perf_counter() - start
-  jax.profiler.stop_trace()
-  data = jax_profiler.ProfileData.from_file(
-      glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)[-1])
+  with tempfile.TemporaryDirectory(prefix="step_profile_") as directory:
+    jax.profiler.start_trace(directory)
+    start = time.perf_counter()
+    for batch in batches:
+      state, metrics = step_fn(state, None, batch)
+    jax.block_until_ready(metrics)
+    wall = time.perf_counter() - start
+    jax.profiler.stop_trace()
+    data = jax_profiler.ProfileData.from_file(
+        glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)[-1])
   per_class = collections.defaultdict(lambda: [0.0, 0])
   per_region = collections.defaultdict(lambda: [0.0, 0])
   intervals = []
