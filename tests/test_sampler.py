@@ -144,6 +144,57 @@ def test_stops_in_order_keep_no_stop_right_of_an_unkept_position():
       [False, True, False, False, False])
 
 
+def brute_force_left_to_right(entropy_C, bound):
+  """acceptance="left_to_right" for one row, in plain Python: walk the canvas from its left end
+  and keep positions while the float32 entropy sum before each stays <= bound."""
+  kept, total = [], np.float32(0)
+  for e in entropy_C:
+    if total > bound:
+      break
+    kept.append(True)
+    total = np.float32(total + e)
+  return np.array(kept + [False] * (len(entropy_C) - len(kept)))
+
+
+def test_left_to_right_acceptance_keeps_a_run_from_the_left_end():
+  rng = np.random.default_rng(2)
+  b, c = 64, 12
+  entropy = rng.exponential(0.05, (b, c)).astype(np.float32)
+  entropy[rng.random((b, c)) < 0.3] = 0.0
+  for bound in (0.0, 0.05, 0.1, 0.3, 1e4):
+    ours = np.asarray(sampler.entropy_bounded_accept(jnp.asarray(entropy), bound,
+                                                     left_to_right=True))
+    for row in range(b):
+      np.testing.assert_array_equal(ours[row], brute_force_left_to_right(entropy[row], bound),
+                                    err_msg=f"bound {bound}, row {row}")
+    assert ours[:, 0].all()  # the leftmost position is always kept
+    assert (np.diff(ours.astype(int), axis=-1) <= 0).all()  # a run from the left, no gaps
+  # A hand case: the reference keeps the confident right end, left_to_right the left run.
+  entropy = np.array([[0.03, 0.03, 0.5, 0.0, 0.0]], np.float32)
+  np.testing.assert_array_equal(np.asarray(sampler.entropy_bounded_accept(entropy, 0.05))[0],
+                                [True, True, False, True, True])
+  np.testing.assert_array_equal(
+      np.asarray(sampler.entropy_bounded_accept(entropy, 0.05, left_to_right=True))[0],
+      [True, True, False, False, False])
+
+
+def test_left_to_right_generate_on_the_tiny_model(params):
+  """A valid generation on the tiny model, and every step's accepted set a left run (counted
+  through the step outputs of `denoise_canvas`)."""
+  prompt = jnp.asarray(np.random.default_rng(1).integers(3, CFG.vocab_size, (4, 6)), jnp.int32)
+  cfg = sampler.SamplerConfig(max_denoising_steps=6, max_new_tokens=2 * CFG.canvas_length,
+                              entropy_bound=0.5, acceptance="left_to_right")
+  out = sampler.generate(params, CFG, cfg, prompt, jnp.ones((4, 6), bool), jax.random.PRNGKey(3))
+  tokens = np.asarray(out["tokens"])
+  for row in tokens:
+    ends = np.flatnonzero(row == EOS)
+    if ends.size:
+      assert (row[ends[0] + 1:] == PAD).all()
+  np.testing.assert_array_equal(np.asarray(out["num_tokens"]), (tokens != PAD).sum(-1))
+  with pytest.raises(ValueError, match="acceptance"):
+    sampler.SamplerConfig(acceptance="random")
+
+
 def test_stops_in_order_generate_on_the_tiny_model(params):
   """On: a valid generation on the tiny model (tokens after a row's stop are pad; the counts
   agree). Off is the default acceptance, the code path the reference tests above check."""

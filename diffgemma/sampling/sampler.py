@@ -38,6 +38,10 @@ FALLBACK_OFF = ""
 FALLBACK_UNCONVERGED = "unconverged"  # the loop hit max_denoising_steps without stopping
 FALLBACK_ENTROPY = "entropy"  # mean entropy still above a threshold after k steps
 FALLBACK_RULES = (FALLBACK_OFF, FALLBACK_UNCONVERGED, FALLBACK_ENTROPY)
+# Acceptance orders (SamplerConfig.acceptance): which drawn positions a denoising step keeps.
+ACCEPT_ENTROPY = "entropy"  # the reference: lowest entropy first, anywhere in the canvas
+ACCEPT_LEFT_TO_RIGHT = "left_to_right"  # from the canvas's left end, while the bound lasts
+ACCEPTANCES = (ACCEPT_ENTROPY, ACCEPT_LEFT_TO_RIGHT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,13 @@ class SamplerConfig:
   # so a confident EOS tail cannot fix the reply's length before its content (the blocked
   # positions are left out of the entropy ranking and renoised; `accept_in_order`).
   stop_in_order: bool = False
+  # Which positions a step keeps (diffusion mode; "entropy" = the reference): "left_to_right"
+  # keeps the longest run from the canvas's left end whose entropy sum without its last entry is
+  # <= entropy_bound, so the leftmost unsettled position is always kept and a confident stretch
+  # is kept whole. Every kept token then has its whole left context kept with it, which keeps
+  # counts (sort's letters, count's numbers) consistent where marginals drawn all over the
+  # canvas at once lose them (benchmarks/RESULTS.md). It implies stop_in_order's guarantee.
+  acceptance: str = ACCEPT_ENTROPY
 
   def __post_init__(self):
     if self.mode not in (DIFFUSION, AR):
@@ -109,6 +120,8 @@ class SamplerConfig:
                        f"(got {self.ar_fallback_after_steps})")
     if self.stop_in_order and self.mode != DIFFUSION:
       raise ValueError("stop_in_order applies to mode='diffusion'")
+    if self.acceptance not in ACCEPTANCES:
+      raise ValueError(f"unknown acceptance {self.acceptance!r}; choose one of {ACCEPTANCES}")
     if self.ar_fallback_entropy < 0:
       raise ValueError("ar_fallback_entropy must be >= 0")
     object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
@@ -185,14 +198,18 @@ def sample_categorical(rng, log_probs_xV):
   return jnp.minimum(first_above, cdf_xV.shape[-1] - 1).astype(jnp.int32)
 
 
-def entropy_bounded_accept(entropy_BxC, bound: float):
+def entropy_bounded_accept(entropy_BxC, bound: float, left_to_right: bool = False):
   """Entropy-bounded acceptance mask [B, C] bool.
 
   Sort positions by entropy (ascending, ties in position order) and accept the longest prefix
   whose entropy sum without its own (largest) entry is <= bound; the lowest-entropy position is
-  therefore always accepted.
+  therefore always accepted. `left_to_right`: the positions are taken in canvas order instead
+  (SamplerConfig.acceptance "left_to_right"), so the accepted set is a run from the left end.
   """
-  order_BxC = jnp.argsort(entropy_BxC, axis=-1, stable=True)
+  if left_to_right:
+    order_BxC = jnp.broadcast_to(jnp.arange(entropy_BxC.shape[-1]), entropy_BxC.shape)
+  else:
+    order_BxC = jnp.argsort(entropy_BxC, axis=-1, stable=True)
   sorted_BxC = jnp.take_along_axis(entropy_BxC, order_BxC, axis=-1)
   # cumsum - own, not an exclusive cumsum: the same float rounding as the reference.
   accept_sorted_BxC = jnp.cumsum(sorted_BxC, axis=-1) - sorted_BxC <= bound
@@ -404,7 +421,10 @@ def _accept_and_renoise(state: DenoiseState, sampled_BxC, argmax_BxC, entropy_Bx
                         model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
   """Keep the entropy-bounded accepted draws, renoise the rest with uniform tokens; finished
   rows keep their canvas and argmax. Returns (canvas_BxC, argmax_BxC, accepted_BxC)."""
-  if sampler_cfg.stop_in_order:
+  if sampler_cfg.acceptance == ACCEPT_LEFT_TO_RIGHT:  # a left run: stops are in order already
+    accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound,
+                                          left_to_right=True)
+  elif sampler_cfg.stop_in_order:
     accepted_BxC = accept_in_order(entropy_BxC, sampled_BxC, sampler_cfg.entropy_bound,
                                    stop_ids(model_cfg, sampler_cfg))
   else:
