@@ -57,6 +57,10 @@ _ANSWER_REGEX = flags.DEFINE_string("answer_regex", None, "Chat tasks, --metric=
                                     "answer is the regex's first group.")
 _PREDICTIONS = flags.DEFINE_string("predictions", None, "Where to write the predictions JSONL "
                                    "(default: inside --workdir).")
+_SEEN_IN = flags.DEFINE_string(
+    "seen_in", None, "Chat tasks: training JSONL (comma-separated for several); adds accuracy "
+    "on held-out prompts seen and unseen in it (seen_prompt_accuracy, unseen_prompt_accuracy), "
+    "to tell a run that memorises from one that generalises.")
 _QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
                               "(weight-only; diffgemma/model/quantize.py defaults) before sampling.")
 _SWEEP = flags.DEFINE_multi_string(
@@ -149,6 +153,8 @@ def main(argv):
     metrics, predictions = evaluation.evaluate(
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
         progress=bar, warmup=True)
+  if _SEEN_IN.value:
+    metrics.update(seen_split(_SEEN_IN.value, predictions))
   metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value),
                  quantize=_QUANTIZE.value or "none",
                  headline_metric=run.task.headline_metric_for(prompts),
@@ -163,6 +169,16 @@ def main(argv):
   if "step_profile" in metrics:
     print(run.task.format_profile(metrics["step_profile"]))
   print(json.dumps(metrics))
+
+
+def seen_split(paths: str, records: list[dict]) -> dict:
+  """chat_data.seen_prompt_split of the records against the user turns of `paths`."""
+  from diffgemma.tasks import chat_data
+
+  if not records or "prompt" not in records[0]:
+    raise cli.UserError("--seen_in is for chat tasks (records with a user prompt)")
+  return chat_data.seen_prompt_split(
+      records, chat_data.user_texts([p.strip() for p in paths.split(",") if p.strip()]))
 
 
 def parse_sweep(specs: list[str], sampler) -> list[tuple[str, list]]:

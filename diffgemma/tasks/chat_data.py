@@ -318,6 +318,30 @@ def split_held_out(conversations: Sequence[Conversation], fraction: float, seed:
           [c for i, c in enumerate(conversations) if i in held])
 
 
+def user_texts(paths: Sequence[str]) -> set[str]:
+  """Every user turn's text in these JSONL files (read as `read_jsonl` reads them)."""
+  return {m["content"] for path in paths for c in read_jsonl(path) for m in c.messages
+          if m["role"] == "user"}
+
+
+def seen_prompt_split(records: Sequence[dict], seen_texts: set[str]) -> dict:
+  """Accuracy on held-out prompts seen and unseen in training: a record (the chat task's
+  `score` record: "prompt" the last user text, "correct") is seen when exactly the same user
+  text is in `seen_texts`; records gain "seen_prompt". A split with no record has None."""
+  seen = []
+  for record in records:
+    record["seen_prompt"] = record["prompt"] in seen_texts
+    seen.append(record["seen_prompt"])
+
+  def share(keep):
+    picked = [r["correct"] for r, k in zip(records, keep) if k]
+    return float(np.mean(picked)) if picked else None
+
+  return {"seen_prompt_accuracy": share(seen),
+          "unseen_prompt_accuracy": share([not s for s in seen]),
+          "num_seen_prompt": int(sum(seen)), "num_unseen_prompt": len(seen) - int(sum(seen))}
+
+
 def _first_line(e: BaseException) -> str:
   lines = str(e).strip().splitlines()
   return lines[0] if lines else type(e).__name__
