@@ -85,10 +85,9 @@ class SamplerConfig:
   stop_in_order: bool = False
   # Which positions a step keeps (diffusion mode; "entropy" = the reference): "left_to_right"
   # keeps the longest run from the canvas's left end whose entropy sum without its last entry is
-  # <= entropy_bound, so the leftmost unsettled position is always kept and a confident stretch
-  # is kept whole. Every kept token then has its whole left context kept with it, which keeps
-  # counts (sort's letters, count's numbers) consistent where marginals drawn all over the
-  # canvas at once lose them (benchmarks/RESULTS.md). It implies stop_in_order's guarantee.
+  # <= entropy_bound, so every kept token has its whole left context kept with it (an ablation
+  # of parallel commits; on sort it lost to the reference's order, benchmarks/RESULTS.md
+  # 2026-12-06). It implies stop_in_order's guarantee.
   acceptance: str = ACCEPT_ENTROPY
 
   def __post_init__(self):
