@@ -1054,6 +1054,10 @@ class Model(_Module):
 
     def fn(h, params):
       h, params = jax.lax.optimization_barrier((h, params))
+      # The q/k/v projections read the weights from outside the barrier (and, under remat,
+      # from outside the checkpointed function): the program the function form always built.
+      params = {**params, "attn": {**params["attn"], **{
+          k: w for k, w in layer_params["attn"].items() if k != "o"}}}
       return layer.apply({"params": params}, h, positions_BxT, attend)
 
     if cfg.remat == "full":
