@@ -142,3 +142,46 @@ def test_nnx_users_wrap_the_model_with_to_nnx():
   tokens = jnp.zeros((1, 3), jnp.int32)
   h, _ = model(tokens, network.init_cache(cfg, 1, 8), method="encode")
   chex.assert_shape(h, (1, 3, cfg.hidden_size))
+
+
+class WithAndWithoutJit(chex.TestCase):
+  """The loss and the sampler's decoder step give the same values traced under jit and run op
+  by op (chex.variants), so the modules hold no trace-time state."""
+
+  CFG = _cfg(num_layers=1, layer_types=("full_attention",))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_sft_loss(self):
+    from diffgemma.tasks import Layout
+    from diffgemma.training import losses
+    cfg = self.CFG
+    params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    p, k, b, c = 3, 2, 2, cfg.canvas_length
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (b, p + k * c)),
+                         jnp.int32)
+    loss_mask = jnp.asarray(np.arange(p + k * c) >= p)[None].repeat(b, 0)
+    batch = {"tokens": tokens, "valid": jnp.ones_like(loss_mask), "loss_mask": loss_mask}
+    loss_cfg = losses.LossConfig(self_conditioning_prob=0.5)
+    loss = self.variant(lambda params, batch, rng: losses.sft_loss(
+        params, cfg, loss_cfg, Layout(p, k, c), batch, rng)[0])
+    reference = jax.jit(lambda params, batch, rng: losses.sft_loss(
+        params, cfg, loss_cfg, Layout(p, k, c), batch, rng)[0])
+    rng = jax.random.PRNGKey(3)
+    chex.assert_trees_all_close(loss(params, batch, rng), reference(params, batch, rng),
+                                rtol=1e-5, atol=1e-6)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_decoder_step(self):
+    cfg = self.CFG
+    params = network.init_params(cfg, jax.random.PRNGKey(1))
+    prompt = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
+    _, cache = jax.jit(network.encode, static_argnums=1)(
+        params, cfg, prompt, network.init_cache(cfg, 2, 16))
+    canvas = jnp.ones((2, cfg.canvas_length), jnp.int32)
+    sc_logits = jax.random.normal(jax.random.PRNGKey(2), (2, cfg.canvas_length, cfg.vocab_size))
+    step = self.variant(lambda params, canvas, cache, sc: network.decode(
+        params, cfg, canvas, cache, None, sc, jnp.array([True, False])))
+    reference = jax.jit(lambda params, canvas, cache, sc: network.decode(
+        params, cfg, canvas, cache, None, sc, jnp.array([True, False])))
+    chex.assert_trees_all_close(step(params, canvas, cache, sc_logits),
+                                reference(params, canvas, cache, sc_logits), rtol=1e-5, atol=1e-5)
