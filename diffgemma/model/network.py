@@ -699,7 +699,7 @@ def count_params(params: Params) -> int:
 # Per-leaf PRNG keys of the draw `network.init_params` has always made (one split of the seed,
 # consumed layer by layer, then the embedding, then the self-conditioning block): while set,
 # each normal initialiser takes the key of its draw index instead of linen's per-path key, so a
-# seed gives the same weights as before the 
+# seed gives the same weights as before the modules.
 _DRAW_KEYS = contextvars.ContextVar("diffgemma_draw_keys", default=None)
 
 
