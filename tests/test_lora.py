@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,8 +74,7 @@ def test_expert_adapter_gradients_agree_across_moe_layouts():
   reference = grads(x, adapters, "ragged_dot")
   assert float(jnp.abs(reference[1]["layers.0.experts.down"]["b"]).max()) > 0
   for impl in ("tiled", "tiled_scan"):
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4),
-                           grads(x, adapters, impl), reference)
+    chex.assert_trees_all_close(grads(x, adapters, impl), reference, atol=1e-4, rtol=1e-4)
 
 
 def test_merge_weight_matches_float64_numpy():
@@ -142,7 +142,7 @@ def test_lora_training_changes_exactly_the_targeted_leaves_and_resumes_exactly(b
   _, setup, a, frozen, step_a = training_state.restore_run(straight)
   *_, b, _, step_b = training_state.restore_run(resumed)
   assert step_a == step_b == 4
-  jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+  chex.assert_trees_all_equal(a, b)
 
   # Only the adapters are checkpointed, with rank-3 factors.
   assert set(a["params"]) == {n for n in a["params"] if any(

@@ -1,5 +1,6 @@
 """Model pieces against brute-force references: the attention mask, both MoE paths, bf16."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +50,7 @@ def test_tiled_moe_equals_ragged_dot_forward_and_grad(tile, impl):
 
   (y_t, g_t), (y_r, g_r) = run(impl), run("ragged_dot")
   np.testing.assert_allclose(y_t, y_r, atol=1e-5)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), g_t, g_r)
+  chex.assert_trees_all_close(g_t, g_r, atol=1e-4, rtol=1e-7)
 
 
 @pytest.mark.parametrize("impl", ["tiled", "tiled_scan"])
@@ -68,7 +69,7 @@ def test_moe_per_batch_shard_equals_one_sort(impl):
 
   (y1, g1), (y3, g3) = run(1), run(3)
   np.testing.assert_allclose(y3, y1, rtol=1e-5)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), g3, g1)
+  chex.assert_trees_all_close(g3, g1, atol=1e-4, rtol=1e-7)
 
 
 def test_moe_matches_per_token_loop():

@@ -3,6 +3,7 @@ a short run of the loop from a saved tiny SFT run (with exact resume)."""
 
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -425,7 +426,7 @@ def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
   *_, a, _, step_a = training_state.restore_run(straight)
   *_, b, _, step_b = training_state.restore_run(resumed)
   assert step_a == step_b == 4
-  jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+  chex.assert_trees_all_equal(a, b)
   assert not np.array_equal(a["params"]["embedding"], sft_params["embedding"])  # it trained
 
 
@@ -468,8 +469,7 @@ def test_gradient_accumulation_equals_one_step_on_the_whole_batch(tmp_path):
     state, metrics = step(state, frozen, batch)
     assert int(state["nonfinite"]) == 0
     new_params.append(state["params"])
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), *new_params)
+  chex.assert_trees_all_close(*new_params, rtol=1e-5, atol=1e-7)
 
 
 def test_lora_sdrl_trains_only_the_adapters(tmp_path):

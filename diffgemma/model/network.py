@@ -1,4 +1,6 @@
-"""The DiffusionGemma network as pure functions over a parameter pytree.
+"""The DiffusionGemma network: flax.linen modules (`Model` and its parts, at the end of this file)
+that own the parameters and call the pure functions above them for the math; `encode`, `decode`
+and `init_params` are thin wrappers of `Model.apply` / `Model.init` over the parameter pytree.
 
 One set of weights, two entry points:
   * `encode`: causal (sliding-window causal on sliding layers) over new tokens; writes their K/V
@@ -24,10 +26,14 @@ V vocab, E experts, N tokens (flattened), M token-expert assignments.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
+import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +41,7 @@ import numpy as np
 from diffgemma import errors
 from diffgemma.model import attention_mask as mask_lib
 from diffgemma.model import lora, quantize, sharding
-from diffgemma.model.config import SLIDING, ModelConfig
+from diffgemma.model.config import FULL, SLIDING, ModelConfig
 from diffgemma.model.kernels import attention as attention_kernel
 from diffgemma.model.kernels import moe as moe_kernel
 
@@ -492,68 +498,6 @@ def project_qkv(x_BxTxD, attn: Params, layer_type: str, positions_BxT, cfg: Mode
   return q, k, v
 
 
-def feed_forward(h_BxTxD, layer: Params, cfg: ModelConfig):
-  """Dense MLP and MoE in parallel from the residual stream h (the router reads h itself)."""
-  with jax.named_scope("dense_mlp"):
-    dense = gated_mlp(rms_norm(h_BxTxD, layer["pre_ffw_norm"], cfg.rms_norm_eps),
-                      layer["mlp"]["gate"], layer["mlp"]["up"], layer["mlp"]["down"])
-    dense = rms_norm(dense, layer["post_ffw_norm_1"], cfg.rms_norm_eps)
-  with jax.named_scope("moe"):
-    sparse = _sparse_block(h_BxTxD, layer, cfg)
-  return rms_norm(dense + sparse, layer["post_ffw_norm"], cfg.rms_norm_eps)
-
-
-def _sparse_block(h_BxTxD, layer: Params, cfg: ModelConfig):
-  """The MoE half of `feed_forward`: route, normalise, the experts, the post-norm."""
-  h_NxD = h_BxTxD.reshape(-1, h_BxTxD.shape[-1])
-  weights, index = route(h_NxD, layer["router"], cfg)
-  expert_in = rms_norm(h_NxD, layer["pre_ffw_norm_2"], cfg.rms_norm_eps)
-  shards = sharding.batch_shards(h_BxTxD.shape[0])
-  if cfg.moe_impl == "expert_parallel":
-    sparse = moe_expert_parallel(*(a.reshape(h_BxTxD.shape[:2] + a.shape[1:])
-                                   for a in (expert_in, weights, index)), layer["experts"], cfg)
-  # ragged_dot has no batching rule for this vmap; pallas is untested under it.
-  elif shards == 1 or cfg.moe_impl not in ("tiled", "tiled_scan"):
-    sparse = moe(expert_in, weights, index, layer["experts"], cfg)
-  else:
-    sparse = moe_per_batch_shard(expert_in, weights, index, layer["experts"], cfg, shards)
-  sparse = sparse.reshape(h_BxTxD.shape)
-  return rms_norm(sparse, layer["post_ffw_norm_2"], cfg.rms_norm_eps)
-
-
-def transformer_layer(h_BxTxD, layer: Params, layer_type: str, cfg: ModelConfig, attention_fn):
-  """Pre/post-normed attention, then the parallel dense+MoE block, then the layer scalar.
-
-  `attention_fn(normed_x) -> (attn_out_BxTxHxd, extra)` hides encoder/decoder differences.
-  """
-  # Named scopes label the compiled operations (benchmarks/step_profile.py reads them).
-  with jax.named_scope("attention"):
-    normed = rms_norm(h_BxTxD, layer["input_norm"], cfg.rms_norm_eps)
-    attn_out, extra = attention_fn(normed)
-    attn_out = linear(attn_out, layer["attn"]["o"], num_in_axes=2)
-    h = h_BxTxD + rms_norm(attn_out, layer["post_attn_norm"], cfg.rms_norm_eps)
-  h = h + feed_forward(h, layer, cfg)
-  # layer_scalar is a fixed buffer in the reference, never trained.
-  h = h * jax.lax.stop_gradient(layer["layer_scalar"]).astype(h.dtype)
-  return sharding.constrain(h, sharding.HIDDEN), extra
-
-
-def run_layer(h_BxTxD, layer: Params, layer_type: str, cfg: ModelConfig, attention_fn):
-  """`transformer_layer` under the config's rematerialisation policy (cfg.remat)."""
-  def fn(h, layer):
-    # Tie the layer's weights to its input: a sharded weight's all-gather can then not be
-    # scheduled before the previous layer is done (else every layer's gathered weights may be
-    # live at once).
-    h, layer = jax.lax.optimization_barrier((h, layer))
-    return transformer_layer(h, layer, layer_type, cfg, attention_fn)
-
-  if cfg.remat == "full":
-    fn = jax.checkpoint(fn)
-  elif cfg.remat == "dots":
-    fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-  return fn(h_BxTxD, layer)
-
-
 # ----------------------------------------------------------------------------- embeddings & head
 
 
@@ -623,35 +567,10 @@ def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT
     cache: from `init_cache` or a previous `encode`; positions are cache slot indices.
   Returns:
     (hidden_BxTxD after the final norm, updated cache with end += T).
+  A thin wrapper: `Model.encode` is the network.
   """
-  b, t = tokens_BxT.shape
-  start = cache["end"]
-  if valid_BxT is None:
-    valid_BxT = jnp.ones((b, t), bool)
-  positions_BxT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-  kv_valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (0, start))
-  num_slots = kv_valid_BxS.shape[1]
-  kv_pos_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
-  masks = layer_mask_specs(cfg, positions_BxT, positions_BxT, kv_pos_BxS, kv_valid_BxS)
-
-  h = embed(params, tokens_BxT, cfg)
-  new_layers = []
-  for i, (layer, layer_type) in enumerate(zip(params["layers"], cfg.layer_types)):
-    layer_cache = cache["layers"][i]
-
-    def attention_fn(normed, layer=layer, layer_type=layer_type, layer_cache=layer_cache):
-      q, k, v = project_qkv(normed, layer["attn"], layer_type, positions_BxT, cfg)
-      k_all = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype),
-                                           (0, start, 0, 0))
-      v_all = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype),
-                                           (0, start, 0, 0))
-      out = attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), masks[layer_type], cfg)
-      return out, {"k": k_all, "v": v_all}
-
-    h, new_cache = run_layer(h, layer, layer_type, cfg, attention_fn)
-    new_layers.append(new_cache)
-  h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-  return h, {"layers": new_layers, "valid": kv_valid_BxS, "end": start + t}
+  return Model(cfg).apply(to_variables(params), tokens_BxT, cache, valid_BxT,
+                                  method=Model.encode)
 
 
 def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_len_B=None,
@@ -664,47 +583,11 @@ def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_le
   precomputed `self_cond_embedding_BxCxD` (`soft_embedding` of the previous probabilities, as
   the fused sampling step makes it) replaces the logits.
   `prefix_len_B` defaults to the cache end (sampling); training passes a per-example value.
+  A thin wrapper: `Model.decode` is the network.
   """
-  b, c = canvas_BxC.shape
-  if prefix_len_B is None:
-    prefix_len_B = jnp.broadcast_to(cache["end"], (b,))
-  prefix_len_B = prefix_len_B.astype(jnp.int32)
-  positions_BxC = prefix_len_B[:, None] + jnp.arange(c, dtype=jnp.int32)
-  num_slots = cache["valid"].shape[1]
-  slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
-  kv_pos = jnp.concatenate([slot_BxS, positions_BxC], axis=1)
-  kv_valid = jnp.concatenate(
-      [cache["valid"] & (slot_BxS < prefix_len_B[:, None]), jnp.ones((b, c), bool)], axis=1)
-  anchor_BxC = jnp.broadcast_to(prefix_len_B[:, None], (b, c))
-  limit_BxC = anchor_BxC + c - 1
-  masks = layer_mask_specs(cfg, anchor_BxC, limit_BxC, kv_pos, kv_valid)
-
-  x = embed(params, canvas_BxC, cfg)
-  sc = params["self_conditioning"]
-  if self_cond_embedding_BxCxD is not None:
-    soft = self_cond_embedding_BxCxD.astype(x.dtype)
-  elif self_cond_logits_BxCxV is not None:
-    soft = self_conditioning_embedding(params, self_cond_logits_BxCxV, cfg)
-  else:
-    soft = jnp.zeros_like(x)
-  if self_cond_mask_B is not None:
-    soft = soft * self_cond_mask_B.astype(soft.dtype)[:, None, None]
-  signal = gated_mlp(rms_norm(soft, sc["pre_norm"], cfg.rms_norm_eps), sc["gate"], sc["up"],
-                     sc["down"])
-  h = rms_norm(x + signal, None, cfg.rms_norm_eps)
-
-  for i, (layer, layer_type) in enumerate(zip(params["layers"], cfg.layer_types)):
-    layer_cache = cache["layers"][i]
-
-    def attention_fn(normed, layer=layer, layer_type=layer_type, layer_cache=layer_cache):
-      q, k, v = project_qkv(normed, layer["attn"], layer_type, positions_BxC, cfg)
-      k_all = jnp.concatenate([layer_cache["k"].astype(q.dtype), k], axis=1)
-      v_all = jnp.concatenate([layer_cache["v"].astype(q.dtype), v], axis=1)
-      return attention(q, k_all, v_all, masks[layer_type], cfg), None
-
-    h, _ = run_layer(h, layer, layer_type, cfg, attention_fn)
-  h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-  return lm_head(params, h, cfg)
+  return Model(cfg).apply(to_variables(params), canvas_BxC, cache, prefix_len_B,
+                                  self_cond_logits_BxCxV, self_cond_mask_B,
+                                  self_cond_embedding_BxCxD, method=Model.decode)
 
 
 # ----------------------------------------------------------------------------- init
@@ -722,55 +605,17 @@ def _ones_leaf(shape, dtype):
 
 
 def init_params(cfg: ModelConfig, rng, std: float | None = None) -> Params:
-  """Random parameters: normal(std) linears and embedding (std defaults to
-  cfg.initializer_range), unit norms and scales, q/k norms at cfg.qk_norm_init.
+  """Random parameters: `Model(cfg).init` as a `Params` tree (normal(std) linears and
+  embedding, std defaulting to cfg.initializer_range; unit norms and scales; q/k norms at
+  cfg.qk_norm_init).
 
-  Each leaf is drawn by a small jitted program per distinct shape (a few compiles, reused
-  across layers and models): one program holding every leaf's draw took XLA:CPU ~20 s to
-  compile for the 7-layer test model, far more than the draws. Same values either way.
+  The normal draws take the keys this function has always used (one split of `rng`, layer by
+  layer, then the embedding, then the self-conditioning block), so a seed gives the same weights
+  as before the  Each leaf is drawn by a small jitted program per distinct shape (a few
+  compiles, reused across layers and models): one program holding every leaf's draw took
+  XLA:CPU ~20 s to compile for the 7-layer test model, far more than the draws.
   """
-  std = cfg.initializer_range if std is None else std
-  std = jnp.float32(std)
-  dt = jnp.dtype(cfg.param_dtype)
-  d, f = cfg.hidden_size, cfg.intermediate_size
-  keys = iter(list(jax.random.split(rng, 8 + 12 * cfg.num_layers)))
-
-  def normal(shape):
-    return _normal_leaf(next(keys), std, tuple(shape), dt)
-
-  def ones(shape):
-    return _ones_leaf(tuple(shape), dt)
-
-  layers = []
-  for i in range(cfg.num_layers):
-    hd, kv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
-    attn = {"q": normal((d, cfg.num_heads, hd)), "k": normal((d, kv, hd)),
-            "o": normal((cfg.num_heads, hd, d)),
-            "q_norm": cfg.qk_norm_init * ones((hd,)), "k_norm": cfg.qk_norm_init * ones((hd,))}
-    if cfg.layer_types[i] == SLIDING:
-      attn["v"] = normal((d, kv, hd))
-    e, moe_i = cfg.num_experts, cfg.moe_intermediate_size
-    layers.append({
-        "attn": attn,
-        "mlp": {"gate": normal((d, f)), "up": normal((d, f)), "down": normal((f, d))},
-        "router": {"proj": normal((d, e)), "scale": ones((d,)), "per_expert_scale": ones((e,))},
-        "experts": {"gate_up": normal((e, d, 2 * moe_i)), "down": normal((e, moe_i, d))},
-        **{name: ones((d,)) for name in (
-            "input_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm", "post_ffw_norm_1",
-            "pre_ffw_norm_2", "post_ffw_norm_2")},
-        "layer_scalar": ones(()),
-    })
-  return {
-      "embedding": normal((cfg.vocab_size, d)),
-      "final_norm": ones((d,)),
-      "layers": layers,
-      "self_conditioning": _self_conditioning_block(d, f, normal, ones),
-  }
-
-
-def _self_conditioning_block(d: int, f: int, normal, ones) -> Params:
-  return {"pre_norm": ones((d,)), "gate": normal((d, f)), "up": normal((d, f)),
-          "down": normal((f, d))}
+  return from_variables(init_variables(cfg, rng, std))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -778,15 +623,14 @@ def init_self_conditioning(cfg: ModelConfig, rng, std: float | None = None) -> P
   """A fresh self-conditioning block, initialised as `init_params` does (for a decoder built
   from a Gemma 4 AR backbone, which has none)."""
   std = cfg.initializer_range if std is None else std
-  dt = jnp.dtype(cfg.param_dtype)
-  keys = iter(jax.random.split(rng, 3))
-  normal = lambda shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
-  return _self_conditioning_block(cfg.hidden_size, cfg.intermediate_size, normal,
-                                  lambda shape: jnp.ones(shape, dt))
+  with draw_keys(jax.random.split(rng, 3)):
+    variables = SelfConditioning(cfg, std, 0).init(
+        rng, method=SelfConditioning.declare)
+  return dict(nn.unbox(variables)["params"])
 
 
 def abstract_params(cfg: ModelConfig) -> Params:
-  """Shapes and dtypes of the parameters, without allocating them."""
+  """Shapes and dtypes of the parameters (of `Model(cfg).init`), without allocating."""
   return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
 
 
@@ -811,3 +655,551 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 def count_params(params: Params) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
+
+
+# ============================================================================= flax.linen modules
+#
+# Module tree (the `params` collection it owns; linear weights are [in, out]):
+#
+#     Model                              encode / decode / lm_head via apply(..., method=...)
+#     ├── Embedder        embedding [V, D]                (shares Model's scope)
+#     ├── RMSNorm         final_norm [D]                  (shares Model's scope)
+#     ├── layers_{i}: Layer
+#     │   ├── attn: Attention     q [D,H,hd], k [D,K,hd], v [D,K,hd] (sliding layers only),
+#     │   │                       o [H,hd,D], q_norm [hd], k_norm [hd]; the Pallas kernel or XLA
+#     │   │                       attention as cfg.attention_impl says
+#     │   ├── mlp: MLP            gate [D,F], up [D,F], down [F,D]
+#     │   ├── router: Router      proj [D,E], scale [D], per_expert_scale [E]
+#     │   ├── experts: Experts    gate_up [E,D,2I], down [E,I,D]; cfg.moe_impl's grouped matmul
+#     │   ├── RMSNorm x 7         input_norm, post_attn_norm, pre_ffw_norm, post_ffw_norm,
+#     │   │                       post_ffw_norm_1, pre_ffw_norm_2, post_ffw_norm_2 [D] (shared scope)
+#     │   └── layer_scalar []
+#     └── self_conditioning: SelfConditioning
+#         ├── RMSNorm pre_norm [D]          (shared scope)
+#         └── MLP gate, up, down            (shared scope)
+#
+# The modules own the parameters and call the pure functions above for the math
+# (`rms_norm`, `project_qkv`, `attention`, `route`, `moe`, ...), so XLA sees the program the
+# function form built. `nn.share_scope` keeps each norm's weight (and the self-conditioning MLP's)
+# a leaf of its parent, as the parameter tree has always had it.
+#
+# The one difference between the linen `params` collection and `network.Params` (the tree every
+# checkpoint, the HF converter, LoRA, QLoRA, sharding and the memory plans use) is the layers:
+# a Python list `params["layers"]` there, submodules `layers_0`, `layers_1`, ... here.
+# `to_variables` and `from_variables` map one to the other (no array is touched); `encode`,
+# `decode` and `init_params` call them, so nothing outside this file sees linen's names.
+#
+# Parameters are read with `get_variable` outside init rather than `self.param`: a weight may be a
+# `lora.LoraWeight` or a `quantize.QuantizedWeight` (pytrees whose leaves are not the weight's
+# shape), which `self.param`'s shape check would reject.
+
+
+# ----------------------------------------------------------------------------- initialisers
+
+# Per-leaf PRNG keys of the draw `network.init_params` has always made (one split of the seed,
+# consumed layer by layer, then the embedding, then the self-conditioning block): while set,
+# each normal initialiser takes the key of its draw index instead of linen's per-path key, so a
+# seed gives the same weights as before the modules.
+_DRAW_KEYS = contextvars.ContextVar("diffgemma_draw_keys", default=None)
+
+
+@contextlib.contextmanager
+def draw_keys(keys):
+  token = _DRAW_KEYS.set(keys)
+  try:
+    yield
+  finally:
+    _DRAW_KEYS.reset(token)
+
+
+def normal_init(std: float, draw: int):
+  def init(key, shape, dtype):
+    keys = _DRAW_KEYS.get()
+    if keys is not None:
+      key = keys[draw]
+    return _normal_leaf(key, jnp.float32(std), tuple(shape), jnp.dtype(dtype))
+  return init
+
+
+def ones_init(value: float = 1.0):
+  def init(key, shape, dtype):
+    del key
+    ones = _ones_leaf(tuple(shape), jnp.dtype(dtype))
+    return ones if value == 1.0 else value * ones
+  return init
+
+
+def layer_draw_offsets(cfg: ModelConfig) -> list[int]:
+  """Index of each layer's first normal draw: q, k, o, (v), mlp gate/up/down, router proj,
+  experts gate_up/down per layer; the embedding and the self-conditioning block follow."""
+  offsets, n = [], 0
+  for lt in cfg.layer_types:
+    offsets.append(n)
+    n += 9 + (lt == SLIDING)
+  return offsets + [n]
+
+
+def num_draws(cfg: ModelConfig) -> int:
+  return 8 + 12 * cfg.num_layers  # the split init_params has always made
+
+
+class _Module(nn.Module):
+  """Shared parameter declaration: logical axes as flax partitioning metadata."""
+
+  def declare(self):
+    """Creates the module's parameters: calling any method runs `setup`, which declares them
+    (modules with submodules call theirs)."""
+
+  def weight(self, name: str, init: Callable, shape, dtype, axes=None):
+    if not self.is_initializing() and self.has_variable("params", name):
+      # May be a LoraWeight / QuantizedWeight; boxed when an NNX bridge passes it.
+      return _unbox(self.get_variable("params", name))
+    if axes is not None:
+      init = nn.with_logical_partitioning(init, axes)
+    return _unbox(self.param(name, init, tuple(shape), jnp.dtype(dtype), unbox=False))
+
+
+def _unbox(value):
+  """A boxed weight's value, without a sharding constraint from flax's own rules (placement
+  is sharding.py's job)."""
+  if isinstance(value, (nn.Partitioned, nn.LogicallyPartitioned)):
+    return value.unbox(apply_constraint=False)
+  if isinstance(value, nn.meta.AxisMetadata):
+    return value.unbox()
+  return value
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class RMSNorm(_Module):
+  """RMSNorm in float32, times `weight_name`'s weight (not 1 + weight); dim None = no scale.
+  Used with `nn.share_scope`: the weight is a leaf of the parent, named `weight_name`."""
+  weight_name: str
+  dim: int | None
+  eps: float
+  param_dtype: Any = jnp.float32
+
+  def setup(self):
+    self.scale = (None if self.dim is None else
+                  self.weight(self.weight_name, ones_init(), (self.dim,), self.param_dtype))
+
+  def __call__(self, x):
+    return rms_norm(x, self.scale, self.eps)
+
+
+def _norms(names, dim: int, cfg: ModelConfig) -> dict[str, RMSNorm]:
+  """RMSNorms for `setup`; assign them, then `_share(self, self.norms)`."""
+  return {n: RMSNorm(n, dim, cfg.rms_norm_eps, cfg.param_dtype) for n in names}
+
+
+def _share(parent: nn.Module, children) -> None:
+  for child in children.values():
+    nn.share_scope(parent, child)
+
+
+class Embedder(_Module):
+  """The tied embedding: token lookup, soft embedding (self-conditioning) and the LM head."""
+  cfg: ModelConfig
+  std: float
+  draw: int
+
+  def setup(self):
+    cfg = self.cfg
+    self.embedding = self.weight("embedding", normal_init(self.std, self.draw),
+                                 (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype,
+                                 ("vocab", "embed"))
+
+  def _params(self):
+    return {"embedding": self.embedding}
+
+  def encode(self, tokens_BxT):
+    chex.assert_rank(tokens_BxT, 2)
+    return embed(self._params(), tokens_BxT, self.cfg)
+
+  def decode(self, h_BxTxD):
+    chex.assert_axis_dimension(h_BxTxD, -1, self.cfg.hidden_size)
+    return lm_head(self._params(), h_BxTxD, self.cfg)
+
+  def self_conditioning(self, logits_BxCxV):
+    chex.assert_axis_dimension(logits_BxCxV, -1, self.cfg.vocab_size)
+    return self_conditioning_embedding(self._params(), logits_BxCxV, self.cfg)
+
+
+class MLP(_Module):
+  """Gated GELU-tanh MLP: down(gelu(x @ gate) * (x @ up))."""
+  cfg: ModelConfig
+  std: float
+  draw: int
+
+  def setup(self):
+    d, f, dt = self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.param_dtype
+    self.gate = self.weight("gate", normal_init(self.std, self.draw), (d, f), dt, ("embed", "mlp"))
+    self.up = self.weight("up", normal_init(self.std, self.draw + 1), (d, f), dt, ("embed", "mlp"))
+    self.down = self.weight("down", normal_init(self.std, self.draw + 2), (f, d), dt,
+                            ("mlp", "embed"))
+
+  def __call__(self, x_BxTxD):
+    return gated_mlp(x_BxTxD, self.gate, self.up, self.down)
+
+
+class Attention(_Module):
+  """Q/K/V projections with q/k RMSNorm and RoPE (values from k on full layers), and the
+  output projection; what lies between (the cache, the mask, the kernel) is the caller's."""
+  cfg: ModelConfig
+  layer_type: str
+  head_dim: int
+  kv_heads: int
+  std: float
+  draw: int
+
+  def setup(self):
+    cfg, hd, kv, dt = self.cfg, self.head_dim, self.kv_heads, self.cfg.param_dtype
+    d, h = cfg.hidden_size, cfg.num_heads
+    self.q = self.weight("q", normal_init(self.std, self.draw), (d, h, hd), dt,
+                         ("embed", "heads", "head_dim"))
+    self.k = self.weight("k", normal_init(self.std, self.draw + 1), (d, kv, hd), dt,
+                         ("embed", "kv_heads", "head_dim"))
+    self.o = self.weight("o", normal_init(self.std, self.draw + 2), (h, hd, d), dt,
+                         ("heads", "head_dim", "embed"))
+    self.q_norm = self.weight("q_norm", ones_init(cfg.qk_norm_init), (hd,), dt)
+    self.k_norm = self.weight("k_norm", ones_init(cfg.qk_norm_init), (hd,), dt)
+    self.v = (self.weight("v", normal_init(self.std, self.draw + 3), (d, kv, hd), dt,
+                          ("embed", "kv_heads", "head_dim"))
+              if self.layer_type == SLIDING else None)
+
+  def project(self, x_BxTxD, positions_BxT):
+    """(q [B,T,H,hd], k [B,T,K,hd], v [B,T,K,hd]): normed, rotated; v normed."""
+    attn = {"q": self.q, "k": self.k, "q_norm": self.q_norm, "k_norm": self.k_norm}
+    if self.v is not None:
+      attn["v"] = self.v
+    q, k, v = project_qkv(x_BxTxD, attn, self.layer_type, positions_BxT, self.cfg)
+    b, t = positions_BxT.shape
+    chex.assert_shape(q, (b, t, self.cfg.num_heads, self.head_dim))
+    chex.assert_shape([k, v], (b, t, self.kv_heads, self.head_dim))
+    return q, k, v
+
+  def out(self, attn_BxTxHxd):
+    return linear(attn_BxTxHxd, self.o, num_in_axes=2)
+
+
+class Router(_Module):
+  """Gemma 4 router: top-k of a float32 softmax, renormalised, times the per-expert scale."""
+  cfg: ModelConfig
+  std: float
+  draw: int
+
+  def setup(self):
+    d, e, dt = self.cfg.hidden_size, self.cfg.num_experts, self.cfg.param_dtype
+    self.proj = self.weight("proj", normal_init(self.std, self.draw), (d, e), dt,
+                            ("embed", "router_experts"))
+    self.scale = self.weight("scale", ones_init(), (d,), dt)
+    self.per_expert_scale = self.weight("per_expert_scale", ones_init(), (e,), dt)
+
+  def __call__(self, x_NxD):
+    chex.assert_rank(x_NxD, 2)
+    router = {"proj": self.proj, "scale": self.scale, "per_expert_scale": self.per_expert_scale}
+    return route(x_NxD, router, self.cfg)
+
+
+class Experts(_Module):
+  """The stacked experts, run by cfg.moe_impl (`network.moe` and its sharded forms)."""
+  cfg: ModelConfig
+  std: float
+  draw: int
+
+  def setup(self):
+    cfg, dt = self.cfg, self.cfg.param_dtype
+    d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    self.gate_up = self.weight("gate_up", normal_init(self.std, self.draw), (e, d, 2 * i), dt,
+                               ("experts", "embed", "expert_mlp"))
+    self.down = self.weight("down", normal_init(self.std, self.draw + 1), (e, i, d), dt,
+                            ("experts", "expert_mlp", "embed"))
+
+  def __call__(self, x_NxD, weights_Nxk, index_Nxk, batch: int, length: int):
+    """Combined expert outputs [N, D] for inputs x [N = batch * length, D]."""
+    chex.assert_equal_shape([weights_Nxk, index_Nxk])
+    experts = {"gate_up": self.gate_up, "down": self.down}
+    cfg = self.cfg
+    shards = sharding.batch_shards(batch)
+    if cfg.moe_impl == "expert_parallel":
+      return moe_expert_parallel(*(a.reshape((batch, length) + a.shape[1:])
+                                     for a in (x_NxD, weights_Nxk, index_Nxk)), experts, cfg)
+    # ragged_dot has no batching rule for this vmap; pallas is untested under it.
+    if shards == 1 or cfg.moe_impl not in ("tiled", "tiled_scan"):
+      return moe(x_NxD, weights_Nxk, index_Nxk, experts, cfg)
+    return moe_per_batch_shard(x_NxD, weights_Nxk, index_Nxk, experts, cfg, shards)
+
+
+LAYER_NORMS = ("input_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm", "post_ffw_norm_1",
+               "pre_ffw_norm_2", "post_ffw_norm_2")
+
+
+class Layer(_Module):
+  """Pre/post-normed attention, then the parallel dense + MoE block, then the layer scalar."""
+  cfg: ModelConfig
+  index: int
+  std: float
+
+  def setup(self):
+    cfg, i = self.cfg, self.index
+    draw = layer_draw_offsets(cfg)[i]
+    layer_type = cfg.layer_types[i]
+    self.attn = Attention(cfg, layer_type, cfg.layer_head_dim(i), cfg.layer_kv_heads(i), self.std,
+                          draw)
+    after_attn = draw + 3 + (layer_type == SLIDING)
+    self.mlp = MLP(cfg, self.std, after_attn)
+    self.router = Router(cfg, self.std, after_attn + 3)
+    self.experts = Experts(cfg, self.std, after_attn + 4)
+    self.norms = _norms(LAYER_NORMS, cfg.hidden_size, cfg)
+    _share(self, self.norms)
+    self.layer_scalar = self.weight("layer_scalar", ones_init(), (), cfg.param_dtype)
+
+  def declare(self):
+    """Creates every parameter (`Model.declare`)."""
+    for sub in (self.attn, self.mlp, self.router, self.experts, *self.norms.values()):
+      sub.declare()
+
+  def __call__(self, h_BxTxD, positions_BxT, attend: Callable):
+    """`attend(q, k, v) -> (out_BxTxHxd, extra)` is the encoder's or decoder's attention."""
+    chex.assert_rank(h_BxTxD, 3)
+    norm = self.norms
+    # Named scopes label the compiled operations (benchmarks/step_profile.py reads them).
+    with jax.named_scope("attention"):
+      q, k, v = self.attn.project(norm["input_norm"](h_BxTxD), positions_BxT)
+      attn_out, extra = attend(q, k, v)
+      h = h_BxTxD + norm["post_attn_norm"](self.attn.out(attn_out))
+    h = h + self.feed_forward(h)
+    # layer_scalar is a fixed buffer in the reference, never trained.
+    h = h * jax.lax.stop_gradient(self.layer_scalar).astype(h.dtype)
+    chex.assert_equal_shape([h, h_BxTxD])
+    return sharding.constrain(h, sharding.HIDDEN), extra
+
+  def feed_forward(self, h_BxTxD):
+    """Dense MLP and MoE in parallel from the residual stream h (the router reads h itself)."""
+    norm = self.norms
+    with jax.named_scope("dense_mlp"):
+      dense = norm["post_ffw_norm_1"](self.mlp(norm["pre_ffw_norm"](h_BxTxD)))
+    with jax.named_scope("moe"):
+      b, t, d = h_BxTxD.shape
+      h_NxD = h_BxTxD.reshape(-1, d)
+      weights, index = self.router(h_NxD)
+      sparse = self.experts(norm["pre_ffw_norm_2"](h_NxD), weights, index, b, t)
+      sparse = norm["post_ffw_norm_2"](sparse.reshape(h_BxTxD.shape))
+    return norm["post_ffw_norm"](dense + sparse)
+
+
+class SelfConditioning(_Module):
+  """The decoder's self-conditioning block: MLP(RMSNorm(soft embedding))."""
+  cfg: ModelConfig
+  std: float
+  draw: int
+
+  def setup(self):
+    self.norm = RMSNorm("pre_norm", self.cfg.hidden_size, self.cfg.rms_norm_eps,
+                        self.cfg.param_dtype)
+    self.mlp = MLP(self.cfg, self.std, self.draw)
+    nn.share_scope(self, self.norm)
+    nn.share_scope(self, self.mlp)
+
+  def declare(self):
+    self.norm.declare()
+    self.mlp.declare()
+
+  def __call__(self, soft_BxCxD):
+    return self.mlp(self.norm(soft_BxCxD))
+
+
+class Model(_Module):
+  """The DiffusionGemma network: `encode`, `decode` and `lm_head` (use them through
+  `Model(cfg).apply({"params": to_variables(params)}, ..., method=Model.encode)`, or the
+  `network` functions of the same names, which do exactly that)."""
+  cfg: ModelConfig
+  init_std: float | None = None  # None: cfg.initializer_range
+
+  def setup(self):
+    cfg = self.cfg
+    std = cfg.initializer_range if self.init_std is None else self.init_std
+    offsets = layer_draw_offsets(cfg)
+    self.layers = [Layer(cfg, i, std) for i in range(cfg.num_layers)]
+    self.embedder = Embedder(cfg, std, offsets[-1])
+    nn.share_scope(self, self.embedder)
+    self.norms = _norms(("final_norm",), cfg.hidden_size, cfg)
+    _share(self, self.norms)
+    self.self_conditioning = SelfConditioning(cfg, std, offsets[-1] + 1)
+
+  def declare(self):
+    """Creates every parameter without running the network: `Model(cfg).init(rng,
+    method=Model.declare)`."""
+    for layer in self.layers:
+      layer.declare()
+    self.embedder.declare()
+    self.norms["final_norm"].declare()
+    self.self_conditioning.declare()
+
+  def lm_head(self, h_BxTxD):
+    return self.embedder.decode(h_BxTxD)
+
+  def _run_layer(self, i: int, h_BxTxD, positions_BxT, attend):
+    """Layer i under the config's rematerialisation policy (cfg.remat).
+
+    The layer runs as a pure function of its parameter subtree, which passes an optimization
+    barrier with the layer's input first: a sharded weight's all-gather can then not be
+    scheduled before the previous layer is done (else every layer's gathered weights may be
+    live at once).
+    """
+    cfg = self.cfg
+    layer_params = self.get_variable("params", f"layers_{i}")
+    layer = Layer(cfg, i, self.layers[i].std, parent=None)
+
+    def fn(h, params):
+      h, params = jax.lax.optimization_barrier((h, params))
+      # The q/k/v projections read the weights from outside the barrier (and, under remat,
+      # from outside the checkpointed function): the program the function form always built.
+      params = {**params, "attn": {**params["attn"], **{
+          k: w for k, w in layer_params["attn"].items() if k != "o"}}}
+      return layer.apply({"params": params}, h, positions_BxT, attend)
+
+    if cfg.remat == "full":
+      fn = jax.checkpoint(fn)
+    elif cfg.remat == "dots":
+      fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return fn(h_BxTxD, layer_params)
+
+  def encode(self, tokens_BxT, cache, valid_BxT=None):
+    """`network.encode`: causal pass over T new tokens written at cache slots [end, end+T)."""
+    cfg = self.cfg
+    chex.assert_rank(tokens_BxT, 2)
+    chex.assert_type(tokens_BxT, int)
+    b, t = tokens_BxT.shape
+    chex.assert_shape(cache["valid"], (b, None))
+    start = cache["end"]
+    if valid_BxT is None:
+      valid_BxT = jnp.ones((b, t), bool)
+    chex.assert_shape(valid_BxT, (b, t))
+    positions_BxT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+    kv_valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (0, start))
+    num_slots = kv_valid_BxS.shape[1]
+    kv_pos_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
+    masks = layer_mask_specs(cfg, positions_BxT, positions_BxT, kv_pos_BxS, kv_valid_BxS)
+
+    h = self.embedder.encode(tokens_BxT)
+    new_layers = []
+    for i, layer_type in enumerate(cfg.layer_types):
+      layer_cache = cache["layers"][i]
+
+      def attend(q, k, v, layer_type=layer_type, layer_cache=layer_cache):
+        k_all = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype),
+                                             (0, start, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype),
+                                             (0, start, 0, 0))
+        out = attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), masks[layer_type],
+                          cfg)
+        return out, {"k": k_all, "v": v_all}
+
+      h, new_cache = self._run_layer(i, h, positions_BxT, attend)
+      new_layers.append(new_cache)
+    h = self.norms["final_norm"](h)
+    return h, {"layers": new_layers, "valid": kv_valid_BxS, "end": start + t}
+
+  def decode(self, canvas_BxC, cache, prefix_len_B=None, self_cond_logits_BxCxV=None,
+             self_cond_mask_B=None, self_cond_embedding_BxCxD=None):
+    """`network.decode`: the bidirectional denoiser over a canvas; float32 logits [B, C, V]."""
+    cfg = self.cfg
+    chex.assert_rank(canvas_BxC, 2)
+    chex.assert_type(canvas_BxC, int)
+    b, c = canvas_BxC.shape
+    if prefix_len_B is None:
+      prefix_len_B = jnp.broadcast_to(cache["end"], (b,))
+    chex.assert_shape(prefix_len_B, (b,))
+    prefix_len_B = prefix_len_B.astype(jnp.int32)
+    positions_BxC = prefix_len_B[:, None] + jnp.arange(c, dtype=jnp.int32)
+    num_slots = cache["valid"].shape[1]
+    slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
+    kv_pos = jnp.concatenate([slot_BxS, positions_BxC], axis=1)
+    kv_valid = jnp.concatenate(
+        [cache["valid"] & (slot_BxS < prefix_len_B[:, None]), jnp.ones((b, c), bool)], axis=1)
+    anchor_BxC = jnp.broadcast_to(prefix_len_B[:, None], (b, c))
+    limit_BxC = anchor_BxC + c - 1
+    masks = layer_mask_specs(cfg, anchor_BxC, limit_BxC, kv_pos, kv_valid)
+
+    x = self.embedder.encode(canvas_BxC)
+    if self_cond_embedding_BxCxD is not None:
+      chex.assert_shape(self_cond_embedding_BxCxD, (b, c, cfg.hidden_size))
+      soft = self_cond_embedding_BxCxD.astype(x.dtype)
+    elif self_cond_logits_BxCxV is not None:
+      chex.assert_shape(self_cond_logits_BxCxV, (b, c, cfg.vocab_size))
+      soft = self.embedder.self_conditioning(self_cond_logits_BxCxV)
+    else:
+      soft = jnp.zeros_like(x)
+    if self_cond_mask_B is not None:
+      chex.assert_shape(self_cond_mask_B, (b,))
+      soft = soft * self_cond_mask_B.astype(soft.dtype)[:, None, None]
+    h = rms_norm(x + self.self_conditioning(soft), None, cfg.rms_norm_eps)
+
+    for i, layer_type in enumerate(cfg.layer_types):
+      layer_cache = cache["layers"][i]
+
+      def attend(q, k, v, layer_type=layer_type, layer_cache=layer_cache):
+        k_all = jnp.concatenate([layer_cache["k"].astype(q.dtype), k], axis=1)
+        v_all = jnp.concatenate([layer_cache["v"].astype(q.dtype), v], axis=1)
+        return attention(q, k_all, v_all, masks[layer_type], cfg), None
+
+      h, _ = self._run_layer(i, h, positions_BxC, attend)
+    h = self.norms["final_norm"](h)
+    logits = self.embedder.decode(h)
+    chex.assert_shape(logits, (b, c, cfg.vocab_size))
+    return logits
+
+
+# ----------------------------------------------------------------------------- the params tree
+
+
+def to_variables(params: Params) -> dict:
+  """`network.Params` -> linen variables: params["layers"][i] becomes params["layers_{i}"]."""
+  tree = {k: v for k, v in params.items() if k != "layers"}
+  tree.update({f"layers_{i}": layer for i, layer in enumerate(params.get("layers", ()))})
+  return {"params": tree}
+
+
+def from_variables(variables) -> Params:
+  """Linen variables (or their "params" collection) -> `network.Params` (the inverse; the
+  partitioning metadata is dropped)."""
+  tree = dict(nn.unbox(variables.get("params", variables)))
+  layer_keys = sorted((k for k in tree if k.startswith("layers_")), key=lambda k: int(k[7:]))
+  params = {k: v for k, v in tree.items() if not k.startswith("layers_")}
+  params["layers"] = [tree[k] for k in layer_keys]
+  return params
+
+
+def init_variables(cfg: ModelConfig, rng, std: float | None = None, boxed: bool = False):
+  """Model(cfg).init with the draw of `network.init_params` (same values for the same seed).
+  With `boxed`, the leaves keep their `nn.LogicallyPartitioned` metadata."""
+  with draw_keys(jax.random.split(rng, num_draws(cfg))):
+    variables = Model(cfg, std).init(rng, method=Model.declare)
+  return variables if boxed else nn.unbox(variables)
+
+
+@functools.cache
+def logical_axes_table() -> dict[str, tuple[str, ...]]:
+  """{weight name: logical axes} from the modules' partitioning metadata ("embedding",
+  "attn.q", "experts.gate_up", "self_conditioning.down", ...: the path without "layers_{i}");
+  weights without metadata (norms, scales) are absent. sharding.py reads this."""
+  cfg = ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=4, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=2, global_head_dim=2,
+                    num_global_kv_heads=1, num_experts=2, top_k_experts=1,
+                    moe_intermediate_size=2, layer_types=(SLIDING, FULL))
+  boxed = jax.eval_shape(lambda: init_variables(cfg, jax.random.PRNGKey(0), boxed=True))
+  table = {}
+  leaves = jax.tree_util.tree_flatten_with_path(
+      boxed["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
+  for path, leaf in leaves:
+    if isinstance(leaf, nn.LogicallyPartitioned):
+      names = [str(k.key) for k in path]
+      if names[0].startswith("layers_"):
+        names = names[1:]
+      table[".".join(names)] = tuple(leaf.names)
+  return table
+
+
+sharding.set_param_axes_source(logical_axes_table)

@@ -27,21 +27,27 @@ from diffgemma.model import lora
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
-# Logical axes of each parameter (by the end of its dotted path); vectors and scalars
-# (norms, scales, layer scalars) are replicated.
-PARAM_AXES = {
-    "embedding": ("vocab", "embed"),
-    "attn.q": ("embed", "heads", "head_dim"),
-    "attn.k": ("embed", "kv_heads", "head_dim"),
-    "attn.v": ("embed", "kv_heads", "head_dim"),
-    "attn.o": ("heads", "head_dim", "embed"),
-    "mlp.gate": ("embed", "mlp"), "mlp.up": ("embed", "mlp"), "mlp.down": ("mlp", "embed"),
-    "self_conditioning.gate": ("embed", "mlp"), "self_conditioning.up": ("embed", "mlp"),
-    "self_conditioning.down": ("mlp", "embed"),
-    "router.proj": ("embed", "router_experts"),
-    "experts.gate_up": ("experts", "embed", "expert_mlp"),
-    "experts.down": ("experts", "expert_mlp", "embed"),
-}
+# Logical axes of each parameter (by the end of its dotted path) come from the modules'
+# partitioning metadata (`nn.with_logical_partitioning` in diffgemma/model/network.py, read by
+# `network.logical_axes_table`, which registers itself here when network.py is imported: this
+# file sits below it); vectors and scalars (norms, scales, layer scalars) carry none and are
+# replicated.
+_PARAM_AXES_SOURCE = None
+
+
+def set_param_axes_source(source) -> None:
+  global _PARAM_AXES_SOURCE
+  _PARAM_AXES_SOURCE = source
+
+
+def param_axes() -> dict[str, tuple[str, ...]]:
+  """{weight name ("attn.q", "experts.gate_up", ...): logical axes}."""
+  if _PARAM_AXES_SOURCE is None:
+    raise RuntimeError("the logical axes of the parameters come from diffgemma.model.network; "
+                       "import it first")
+  return _PARAM_AXES_SOURCE()
+
+
 LORA_RANK = "lora_rank"
 
 # Activation layouts used by the model (see `constrain`).
@@ -130,7 +136,7 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
   factor = None
   if path.endswith((".a", ".b")):
     path, factor = path[:-2], path[-1]
-  for suffix, axes in PARAM_AXES.items():
+  for suffix, axes in param_axes().items():
     if path == suffix or path.endswith("." + suffix):
       if factor:
         num_expert, num_in = lora.LINEAR_LAYOUTS[suffix]
