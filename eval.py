@@ -154,7 +154,12 @@ def main(argv):
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
         progress=bar, warmup=True)
   if _SEEN_IN.value:
-    metrics.update(seen_split(_SEEN_IN.value, predictions))
+    split = run.task.seen_split(predictions,
+                                 [p.strip() for p in _SEEN_IN.value.split(",") if p.strip()])
+    if split is None:
+      raise cli.UserError(f"--seen_in: the {type(run.task).__name__} task has no seen / unseen "
+                          "split (chat tasks do)")
+    metrics.update(split)
   metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value),
                  quantize=_QUANTIZE.value or "none",
                  headline_metric=run.task.headline_metric_for(prompts),
@@ -169,16 +174,6 @@ def main(argv):
   if "step_profile" in metrics:
     print(run.task.format_profile(metrics["step_profile"]))
   print(json.dumps(metrics))
-
-
-def seen_split(paths: str, records: list[dict]) -> dict:
-  """chat_data.seen_prompt_split of the records against the user turns of `paths`."""
-  from diffgemma.tasks import chat_data
-
-  if not records or "prompt" not in records[0]:
-    raise cli.UserError("--seen_in is for chat tasks (records with a user prompt)")
-  return chat_data.seen_prompt_split(
-      records, chat_data.user_texts([p.strip() for p in paths.split(",") if p.strip()]))
 
 
 def parse_sweep(specs: list[str], sampler) -> list[tuple[str, list]]:

@@ -172,6 +172,13 @@ class Task(abc.ABC):
     del prompts, trajectory
     return None
 
+  def seen_split(self, records: list[dict], train_paths: Sequence[str]) -> dict | None:
+    """Optional (eval.py --seen_in): the headline metric on held-out examples whose prompt is
+    and is not in the training files `train_paths`, from `score`'s records. None: the task has
+    no such split."""
+    del records, train_paths
+    return None
+
   def format_profile(self, profile: dict) -> str:
     """A step profile (per-example means, as `evaluation.evaluate` returns it) as a table."""
     return "\n".join(f"{key}: {values}" for key, values in profile.items())

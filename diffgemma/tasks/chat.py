@@ -588,6 +588,11 @@ class ChatTask(RlTask):
       metrics["canvases_per_reply"] = float(np.mean(stats["num_canvases"]))
     return metrics, records
 
+  def seen_split(self, records: list[dict], train_paths) -> dict:
+    """accuracy on held-out prompts whose last user text is / is not a user turn of the
+    training files (`chat_data.seen_prompt_split`): memorising against generalising."""
+    return chat_data.seen_prompt_split(records, chat_data.user_texts(train_paths))
+
   def plateau_warning(self, step: int, metrics: dict[str, float]) -> str | None:
     """From eval.stop_check_step on: a warning when at least eval.stop_overrun_warning of the
     held-out replies overran (`overruns`), the sign of a run that writes the reply but has not
