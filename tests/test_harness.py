@@ -13,8 +13,6 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("lm_eval")
-
 import jax  # noqa: E402
 import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
