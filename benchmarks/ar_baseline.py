@@ -66,35 +66,6 @@ MIN_LR_FRACTION = 0.1
 HUGE = 1 << 30  # a layout no example overflows (only lengths are compared against it)
 
 
-def define_flags():
-  flags.DEFINE_string("train", None, "Training JSONL (diffgemma's chat formats).")
-  flags.DEFINE_string("test", None, "Held-out JSONL; the last assistant turn is the reference.")
-  flags.DEFINE_float("minutes", 25.0, "Training wall-clock budget (evaluation not counted).",
-                     lower_bound=0.0)
-  flags.DEFINE_integer("max_steps", 0, "Stop after this many steps (0 = when the minutes end); "
-                       "also the cosine's length.", lower_bound=0)
-  flags.DEFINE_integer("layers", 4, "Transformer blocks.", lower_bound=1)
-  flags.DEFINE_integer("width", 128, "Model width.", lower_bound=1)
-  flags.DEFINE_integer("heads", 4, "Attention heads (must divide --width).", lower_bound=1)
-  flags.DEFINE_integer("batch_size", 32, "Sequences per step.", lower_bound=1)
-  flags.DEFINE_float("lr", 3e-3, "Peak learning rate.", lower_bound=0.0)
-  flags.DEFINE_integer("warmup", 100, "Linear warmup steps.", lower_bound=0)
-  flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay (matrices and embeddings).",
-                     lower_bound=0.0)
-  flags.DEFINE_integer("seed", 0, "Initialization and shuffling seed.")
-  flags.DEFINE_integer("threads", 1, "torch.set_num_threads.", lower_bound=1)
-  flags.DEFINE_integer("limit", 0, "Score only the first N test conversations (0 = all).",
-                       lower_bound=0)
-  flags.DEFINE_float("eval_every_minutes", 0.0, "Curve: evaluate every this many training "
-                     "minutes, the clock stopped (0 = only at the end).", lower_bound=0.0)
-  flags.DEFINE_integer("curve_examples", 100, "Test conversations each curve point scores.",
-                       lower_bound=1)
-  flags.DEFINE_string("out", None, "Write the final JSON with the curve and every prediction "
-                      "to this file.")
-  flags.DEFINE_integer("max_len", 0, "Training context in tokens (0 = the longest training "
-                       "prompt + reply); longer examples are dropped.", lower_bound=0)
-
-
 @dataclasses.dataclass(frozen=True)
 class Options:
   """The flags, as `run_benchmark` takes them (tests build one directly)."""
@@ -117,6 +88,38 @@ class Options:
   curve_examples: int = 100
   out: str | None = None
   max_len: int = 0
+
+
+def define_flags():
+  """The flags; their defaults are `Options`' (one place)."""
+  d = Options(train="", test="")
+  flags.DEFINE_string("train", None, "Training JSONL (diffgemma's chat formats).")
+  flags.DEFINE_string("test", None, "Held-out JSONL; the last assistant turn is the reference.")
+  flags.DEFINE_float("minutes", d.minutes,
+                     "Training wall-clock budget (evaluation not counted).", lower_bound=0.0)
+  flags.DEFINE_integer("max_steps", d.max_steps, "Stop after this many steps (0 = when the "
+                       "minutes end); also the cosine's length.", lower_bound=0)
+  flags.DEFINE_integer("layers", d.layers, "Transformer blocks.", lower_bound=1)
+  flags.DEFINE_integer("width", d.width, "Model width.", lower_bound=1)
+  flags.DEFINE_integer("heads", d.heads, "Attention heads (must divide --width).", lower_bound=1)
+  flags.DEFINE_integer("batch_size", d.batch_size, "Sequences per step.", lower_bound=1)
+  flags.DEFINE_float("lr", d.lr, "Peak learning rate.", lower_bound=0.0)
+  flags.DEFINE_integer("warmup", d.warmup, "Linear warmup steps.", lower_bound=0)
+  flags.DEFINE_float("weight_decay", d.weight_decay,
+                     "AdamW weight decay (matrices and embeddings).", lower_bound=0.0)
+  flags.DEFINE_integer("seed", d.seed, "Initialization and shuffling seed.")
+  flags.DEFINE_integer("threads", d.threads, "torch.set_num_threads.", lower_bound=1)
+  flags.DEFINE_integer("limit", d.limit, "Score only the first N test conversations (0 = all).",
+                       lower_bound=0)
+  flags.DEFINE_float("eval_every_minutes", d.eval_every_minutes, "Curve: evaluate every this "
+                     "many training minutes, the clock stopped (0 = only at the end).",
+                     lower_bound=0.0)
+  flags.DEFINE_integer("curve_examples", d.curve_examples,
+                       "Test conversations each curve point scores.", lower_bound=1)
+  flags.DEFINE_string("out", None, "Write the final JSON with the curve and every prediction "
+                      "to this file.")
+  flags.DEFINE_integer("max_len", d.max_len, "Training context in tokens (0 = the longest "
+                       "training prompt + reply); longer examples are dropped.", lower_bound=0)
 
 
 # ----------------------------------------------------------------------------- data
