@@ -179,6 +179,15 @@ def test_loglikelihood_rolling_is_the_sum_over_windows(scorer):
   assert totals[1] == pytest.approx(one, abs=ATOL)
 
 
+def simple_evaluate(workdir, task: str, metadata: dict) -> dict:
+  """lm-eval's Python API on one of the harness's local tasks, chat template on, samples kept."""
+  lm = harness.DiffGemmaLM(workdir=workdir, batch_size=4)
+  task_manager = TaskManager(include_path=harness.TASKS_DIR, include_defaults=False,
+                             metadata=metadata)
+  return lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager,
+                                 apply_chat_template=True, log_samples=True)
+
+
 def test_simple_evaluate_accuracy_is_eval_py_metric(workdir, data, tmp_path):
   # References the untrained model gets right for rows 0, 2 and 4 (its own replies) and wrong
   # for the others, so the accuracy is not trivially 0.
@@ -188,12 +197,7 @@ def test_simple_evaluate_accuracy_is_eval_py_metric(workdir, data, tmp_path):
   scored = write_jsonl(tmp_path / "scored.jsonl", records)
   metrics, predictions, _ = eval_py(workdir, scored, 4)
   assert metrics["accuracy"] == pytest.approx(0.5)
-  lm = harness.DiffGemmaLM(workdir=workdir, batch_size=4)
-  task_manager = TaskManager(include_path=harness.TASKS_DIR, include_defaults=False,
-                             metadata={"chat_data": scored})
-  results = lm_eval.simple_evaluate(model=lm, tasks=["diffgemma_chat"],
-                                    task_manager=task_manager, apply_chat_template=True,
-                                    log_samples=True)
+  results = simple_evaluate(workdir, "diffgemma_chat", {"chat_data": scored})
   assert results["results"]["diffgemma_chat"]["exact_match,strip"] == metrics["accuracy"]
   samples = sorted(results["samples"]["diffgemma_chat"], key=lambda s: s["doc_id"])
   assert [s["resps"][0][0] for s in samples] == [p["reply"] for p in predictions]
@@ -203,12 +207,7 @@ def test_local_multiple_choice_task_runs(workdir, tmp_path):
   user = "Context:\nA study.\n\nQuestion: Does it work?\n\nAnswer with a short explanation."
   path = write_jsonl(tmp_path / "pubmedqa.jsonl", [
       chat(user, f"Because. The answer is {answer}.") for answer in ("yes", "no", "maybe")])
-  lm = harness.DiffGemmaLM(workdir=workdir, batch_size=4)
-  task_manager = TaskManager(include_path=harness.TASKS_DIR, include_defaults=False,
-                             metadata={"pubmedqa_data": path})
-  results = lm_eval.simple_evaluate(model=lm, tasks=["diffgemma_pubmedqa"],
-                                    task_manager=task_manager, apply_chat_template=True,
-                                    log_samples=True)
+  results = simple_evaluate(workdir, "diffgemma_pubmedqa", {"pubmedqa_data": path})
   samples = sorted(results["samples"]["diffgemma_pubmedqa"], key=lambda s: s["doc_id"])
   scores = [[r[0][0] for r in s["resps"]] for s in samples]
   # The same prompt for every row: the same three scores, the right answer once each.
