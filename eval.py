@@ -139,6 +139,11 @@ def main(argv):
         evaluation.check_prompts(prompts, run.run_cfg.model, points[-1][2])
       except ValueError as e:
         raise cli.UserError(f"--sweep sampler.{key}={value}: {e}") from None
+  seen_paths = [p.strip() for p in (_SEEN_IN.value or "").split(",") if p.strip()]
+  # Checked (and the training files read) before the weights load and the evaluation runs.
+  if seen_paths and run.task.seen_split([], seen_paths) is None:
+    raise cli.UserError(f"--seen_in: the {type(run.task).__name__} task has no seen / unseen "
+                        "split (chat tasks do)")
   run.load()
   if _QUANTIZE.value:
     from diffgemma.model import quantize
@@ -153,13 +158,8 @@ def main(argv):
     metrics, predictions = evaluation.evaluate(
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
         progress=bar, warmup=True)
-  if _SEEN_IN.value:
-    split = run.task.seen_split(predictions,
-                                 [p.strip() for p in _SEEN_IN.value.split(",") if p.strip()])
-    if split is None:
-      raise cli.UserError(f"--seen_in: the {type(run.task).__name__} task has no seen / unseen "
-                          "split (chat tasks do)")
-    metrics.update(split)
+  if seen_paths:
+    metrics.update(run.task.seen_split(predictions, seen_paths))
   metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value),
                  quantize=_QUANTIZE.value or "none",
                  headline_metric=run.task.headline_metric_for(prompts),
