@@ -295,3 +295,256 @@ def test_end_weights_against_a_loop():
   weights = np.asarray(losses.token_weights(jnp.asarray(tokens, jnp.int32), jnp.asarray(mask),
                                             EOS, 6.5))
   np.testing.assert_array_equal(weights, np.where(end, 6.5, 1.0))
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+# The network is scripted (`scripted_model`); the sampler only reads the embedding's dtype.
+SAMPLE_CFG = config.tiny(num_layers=1, layer_types=())  # canvas 8, vocab 64
+C, PAD, PROMPT_LEN = SAMPLE_CFG.canvas_length, SAMPLE_CFG.pad_token_id, 3
+assert SAMPLE_CFG.eos_token_id == EOS and SAMPLE_CFG.vocab_size == V
+EXTRA_STOP = 3  # a stop id besides EOS (SamplerConfig.stop_token_ids)
+# How a canvas's scripted decoder logits look at every step (the argmax never changes):
+#   sharp: one-hot x 40 (entropy ~0: stops as soon as the argmax is stable, step 2);
+#   graded: one-hot x a per-canvas scale in [5.5, 9]: its tempered entropy crosses the
+#     confidence threshold while the temperature falls, at a step that varies;
+#   flat: near-uniform logits (entropy ~4 at every step: never stops);
+#   one_flat / half_flat: sharp but 1 / 3 positions flat (mean entropy ~0.5 / ~1.5).
+FLAT_POSITIONS = {"sharp": 0, "graded": 0, "flat": C, "one_flat": 1, "half_flat": 3}
+
+
+def scripted_logits(spec, seed):
+  """Decoder logits [K, B, C, V] float32 from spec[b][k] = kind or (kind, position, stop id):
+  random non-stop targets (ids >= 4), the stop id (if any) as the target at that position."""
+  rng = np.random.default_rng(seed)
+  b, k_max, v = len(spec), len(spec[0]), SAMPLE_CFG.vocab_size
+  logits = np.zeros((k_max, b, C, v), np.float32)
+  for row, canvases in enumerate(spec):
+    for k, entry in enumerate(canvases):
+      kind, *stop = (entry,) if isinstance(entry, str) else entry
+      target = rng.integers(4, v, C)
+      if stop:
+        target[stop[0]] = stop[1]
+      scale = rng.uniform(5.5, 9.0) if kind == "graded" else 40.0
+      out = scale * np.eye(v)[target]
+      flat = rng.permutation(C)[:FLAT_POSITIONS[kind]]
+      noise = 0.3 * rng.normal(size=(len(flat), v))
+      noise[np.arange(len(flat)), target[flat]] = noise.max(-1) + 0.5  # the argmax stays
+      out[flat] = noise
+      logits[k, row] = out
+  return logits
+
+
+@pytest.fixture
+def scripted_model(monkeypatch):
+  """`scripted_model(decode_KxBxCxV, ar_tokens_BxL)` replaces the network the sampler calls:
+  the decoder returns canvas k's logits at every step (k from the cache's end), the encoder
+  only advances the cache (its hidden state holds each token's slot), and the next-token head
+  after slot s is one-hot at ar_tokens[b, s + 1 - P] (the AR token of that reply slot).
+  JAX's trace caches are cleared afterwards so no later jit reuses a program traced with it."""
+
+  def install(decode_KxBxCxV, ar_tokens_BxL):
+    decode_KxBxCxV = jnp.asarray(decode_KxBxCxV)
+    ar_BxLxV = 10.0 * jax.nn.one_hot(ar_tokens_BxL, SAMPLE_CFG.vocab_size)
+    rows = jnp.arange(ar_BxLxV.shape[0])
+
+    def decode(params, cfg, canvas, cache, *args):
+      return decode_KxBxCxV[(cache["end"] - PROMPT_LEN) // C]
+
+    def encode(params, cfg, tokens, cache, valid=None):
+      slots = cache["end"] + jnp.arange(tokens.shape[1], dtype=jnp.float32)
+      hidden = jnp.broadcast_to(slots[None, :, None], tokens.shape + (cfg.hidden_size,))
+      return hidden, {**cache, "end": cache["end"] + tokens.shape[1]}
+
+    def lm_head(params, hidden_BxD, cfg):
+      slot = jnp.clip(hidden_BxD[:, 0].astype(jnp.int32) + 1 - PROMPT_LEN, 0,
+                      ar_BxLxV.shape[1] - 1)
+      return ar_BxLxV[rows, slot]
+
+    for name, fn in (("decode", decode), ("encode", encode), ("lm_head", lm_head)):
+      monkeypatch.setattr(sampler.network, name, fn)
+
+  yield install
+  jax.clear_caches()
+
+
+def run_scripted(sampler_cfg, batch, fixed=None):
+  """`generate` on the scripted model: per-row outputs as numpy."""
+  params = {"embedding": jnp.zeros((SAMPLE_CFG.vocab_size, SAMPLE_CFG.hidden_size))}
+  prompt = np.full((batch, PROMPT_LEN), 5, np.int32)
+  args = (params, prompt, np.ones(prompt.shape, bool), jax.random.PRNGKey(0))
+  if fixed is not None:
+    args += fixed
+  out = sampler.make_generate_fn(SAMPLE_CFG, sampler_cfg)(*args)
+  return jax.tree_util.tree_map(np.asarray, out)
+
+
+def entropy64(logits_CxV, temperature):
+  z = logits_CxV.astype(np.float64) / temperature
+  logp = z - scipy.special.logsumexp(z, axis=-1, keepdims=True)
+  return -(np.exp(logp) * logp).sum(-1)
+
+
+def clear_of(value, threshold, what):
+  """value vs threshold, refusing a comparison that float32 rounding could flip."""
+  assert abs(value - threshold) > 1e-3 * threshold, f"{what}: {value} too close to {threshold}"
+  return value < threshold
+
+
+def brute_force_generate(decode_KxBxCxV, ar_tokens_BxL, cfg: sampler.SamplerConfig,
+                         fixed=None):
+  """What `generate` must return on the scripted model, row by row in float64 Python
+  (docs/design.md "The sampler"; SamplerConfig's fields):
+
+  per canvas, step n = 1, 2, ... runs at temperature t_min + (t_max - t_min) (N - n + 1) / N;
+  the row stops after step n when its argmax canvas has been the same for S steps (n > S: the
+  scripted argmax never changes) and its mean tempered entropy (0 at infill's fixed slots) is
+  below confidence_threshold, else it runs N steps. AR fallback: "unconverged" = ran N steps
+  without stopping; "entropy" = not stopped at step ar_fallback_after_steps with mean entropy
+  above ar_fallback_entropy (denoising ends there). A fallen-back canvas is AR decoded: slot j
+  emits ar_tokens[j] (its fixed token at a fixed slot), one forward each, until a stop. The
+  committed canvas (the argmax with fixed tokens, or the AR canvas) ends the row at its first
+  stop id at or after the row's last fixed slot (pads after it), or at the token budget.
+  """
+  k_max, b = decode_KxBxCxV.shape[:2]
+  n_max, s_hist = cfg.max_denoising_steps, cfg.stability_threshold
+  stops = {EOS, *cfg.stop_token_ids}
+  out = {key: np.zeros(b, np.int64) for key in ("num_tokens", "decoder_passes", "commit_passes",
+                                                "num_canvases", "ar_canvases", "ar_passes")}
+  out.update(tokens=np.full((b, k_max * C), PAD), canvas_steps=np.zeros((b, k_max), np.int64),
+             canvas_ar=np.zeros((b, k_max), bool))
+  for row in range(b):
+    fixed_tok = np.zeros(k_max * C, np.int64) if fixed is None else fixed[0][row]
+    fixed_mask = np.zeros(k_max * C, bool) if fixed is None else fixed[1][row]
+    last_fixed = np.flatnonzero(fixed_mask).max(initial=-1)
+    for k in range(k_max):
+      slots = range(k * C, (k + 1) * C)
+      mask_c = fixed_mask[k * C:(k + 1) * C]
+      logits = decode_KxBxCxV[k, row]
+      steps, fell_back = n_max, cfg.ar_fallback == sampler.FALLBACK_UNCONVERGED
+      for n in range(1, n_max + 1):
+        temp = cfg.t_min + (cfg.t_max - cfg.t_min) * (n_max - n + 1) / n_max
+        mean_entropy = np.where(mask_c, 0.0, entropy64(logits, temp)).mean()
+        if n > s_hist and clear_of(mean_entropy, cfg.confidence_threshold, "stop test"):
+          steps, fell_back = n, False
+          break
+        if (cfg.ar_fallback == sampler.FALLBACK_ENTROPY and n == cfg.ar_fallback_after_steps
+            and not clear_of(mean_entropy, cfg.ar_fallback_entropy, "fallback test")):
+          steps, fell_back = n, True
+          break
+      out["num_canvases"][row] += 1
+      out["canvas_steps"][row, k] = steps
+      out["decoder_passes"][row] += steps
+      canvas = np.where(mask_c, fixed_tok[k * C:(k + 1) * C], logits.argmax(-1))
+      if fell_back:
+        canvas = np.full(C, PAD)
+        for t, j in enumerate(slots):
+          canvas[t] = fixed_tok[j] if fixed_mask[j] else ar_tokens_BxL[row, j]
+          out["ar_passes"][row] += 1
+          if canvas[t] in stops and j > last_fixed:
+            break
+        out["ar_canvases"][row] += 1
+        out["canvas_ar"][row, k] = True
+      ends = [t for t, j in enumerate(slots) if canvas[t] in stops and j > last_fixed]
+      if ends:
+        canvas[ends[0] + 1:] = PAD
+      out["tokens"][row, k * C:(k + 1) * C] = canvas
+      if ends or (k + 1) * C >= cfg.max_new_tokens:
+        break
+      out["commit_passes"][row] += 1
+  out["decoder_passes"] += out["ar_passes"]
+  out["num_tokens"] = ((out["tokens"] != PAD) & ~(np.zeros_like(out["tokens"], bool)
+                                                   if fixed is None else fixed[1])).sum(-1)
+  out["steps_per_canvas"] = out["decoder_passes"] / out["num_canvases"]
+  out["tokens_per_forward"] = out["num_tokens"] / out["decoder_passes"]
+  return out
+
+
+def assert_same_rows(got, expected, keys):
+  for key in keys:
+    if key in ("steps_per_canvas", "tokens_per_forward"):  # float32 ratios of exact counts
+      np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, err_msg=key)
+    else:
+      np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
+COUNTS = ("tokens", "num_tokens", "decoder_passes", "commit_passes", "num_canvases",
+          "canvas_steps", "steps_per_canvas", "tokens_per_forward")
+# Rows of the step-count check: (kind, position, stop id) puts a stop at that position.
+TPF_SPEC = [
+    ["sharp", ("graded", 4, EXTRA_STOP), "flat"],  # ends in canvas 1 (extra stop id)
+    ["graded", "graded", "graded"],  # the token budget
+    [("flat", 6, EOS), "sharp", "sharp"],  # ends after N steps
+    [("sharp", 0, EOS), "flat", "flat"],  # one token
+    ["one_flat", "sharp", "graded"],
+    ["graded", "half_flat", ("sharp", C - 1, EOS)],
+]
+
+
+def test_step_counts_and_tpf_equal_a_brute_force_loop(scripted_model):
+  """Per row and canvas: the denoising steps, the committed tokens, the canvases run, the
+  passes and TPF = generated tokens / decoder passes, exactly as the brute-force loop says
+  (ratios to float32 rounding), on scripted logits with rows that stop at varied steps, end in
+  different canvases (EOS, an extra stop id, the budget) or never converge."""
+  decode = scripted_logits(TPF_SPEC, seed=0)
+  k_max = len(TPF_SPEC[0])
+  cfg = sampler.SamplerConfig(max_denoising_steps=8, max_new_tokens=k_max * C,
+                              stop_token_ids=(EXTRA_STOP,))
+  ar_tokens = np.full((len(TPF_SPEC), k_max * C), 4)  # unused without ar_fallback
+  scripted_model(decode, ar_tokens)
+  expected = brute_force_generate(decode, ar_tokens, cfg)
+  # The script is informative: several step counts, rows ending in each canvas.
+  steps = expected["canvas_steps"][expected["canvas_steps"] > 0]
+  assert {2, cfg.max_denoising_steps} < set(steps) and len(set(steps)) >= 4
+  assert set(expected["num_canvases"]) == {1, 2, 3}
+  assert_same_rows(run_scripted(cfg, len(TPF_SPEC)), expected, COUNTS)
+
+
+# Rows of the fallback check, the last four with infill's fixed slots (FALLBACK_FIXED). Under
+# "entropy" (after 3 steps, threshold 1): flat and half_flat canvases fall back, one_flat ones
+# do not (mean ~0.5, max ~4) and run N steps; under "unconverged" all three fall back.
+FALLBACK_SPEC = [
+    ["flat", "sharp", "graded"],
+    ["sharp", "one_flat", "flat"],
+    ["graded", "half_flat", "sharp"],
+    ["sharp", "graded", "sharp"],  # never falls back, beside rows that do
+    ["flat", ("graded", 2, EOS), "sharp"],  # EOS after the fixed prefix: ends the row
+    ["flat", ("sharp", 0, EOS), "graded"],  # EOS before the fixed suffix: only a token
+    ["flat", "sharp", "sharp"],  # 7 of canvas 0's 8 slots fixed: mean entropy ~0.5
+    ["half_flat", "flat", "one_flat"],
+]
+FALLBACK_FIXED = {4: range(0, 3), 5: range(10, 13), 6: range(0, 7), 7: range(17, 20)}
+# Stop ids in the AR tokens: (row, reply slot, id); those before a row's last fixed slot do not
+# end it, and a fixed slot overrides its AR token.
+AR_STOPS = [(1, 20, EOS), (2, 9, EXTRA_STOP), (4, 1, EOS), (5, 4, EOS), (6, 7, EOS), (7, 16, EOS)]
+
+
+@pytest.mark.parametrize("rule", [sampler.FALLBACK_UNCONVERGED, sampler.FALLBACK_ENTROPY])
+def test_ar_fallback_per_row_and_canvas_equals_a_brute_force_loop(scripted_model, rule):
+  """Which canvases of which rows fall back, their AR tokens and passes, and every count and
+  TPF, exactly as the brute-force per-row loop decides, when rows and canvases of one batch
+  decide differently, infill rows among them."""
+  b, k_max = len(FALLBACK_SPEC), len(FALLBACK_SPEC[0])
+  decode = scripted_logits(FALLBACK_SPEC, seed=1)
+  ar_tokens = np.random.default_rng(2).integers(4, SAMPLE_CFG.vocab_size, (b, k_max * C))
+  for row, slot, stop in AR_STOPS:
+    ar_tokens[row, slot] = stop
+  fixed_mask = np.zeros((b, k_max * C), bool)
+  for row, slots in FALLBACK_FIXED.items():
+    fixed_mask[row, list(slots)] = True
+  fixed = (np.where(fixed_mask, np.random.default_rng(3).integers(4, 60, fixed_mask.shape), PAD)
+           .astype(np.int32), fixed_mask)
+  cfg = sampler.SamplerConfig(max_denoising_steps=8, max_new_tokens=k_max * C,
+                              stop_token_ids=(EXTRA_STOP,), ar_fallback=rule,
+                              ar_fallback_entropy=1.0, ar_fallback_after_steps=3)
+  scripted_model(decode, ar_tokens)
+  expected = brute_force_generate(decode, ar_tokens, cfg, fixed)
+  ran = expected["canvas_steps"] > 0
+  ar = expected["canvas_ar"]
+  # The script is informative: in some canvas rows that ran split both ways, a row mixes AR
+  # and diffused canvases, infill rows fall back, and AR decoding ends some rows early.
+  assert any(ar[:, k].any() and (ran[:, k] & ~ar[:, k]).any() for k in range(k_max))
+  assert (ar.any(1) & (ran & ~ar).any(1)).any() and ar[list(FALLBACK_FIXED)].any()
+  assert (expected["ar_passes"] % C != 0).any()
+  got = run_scripted(cfg, b, fixed)
+  assert_same_rows(got, expected, COUNTS + ("ar_canvases", "ar_passes", "canvas_ar"))
