@@ -176,11 +176,11 @@ def test_noise_level_distribution(many_draws, distribution):
   _, _, draws = many_draws
   eps = losses.LossConfig().t_eps
   t = draws[distribution, "linear"].t_U.astype(np.float64)
+  result = scipy.stats.kstest(t, lambda x: t_cdf(x, eps, distribution))
+  assert result.pvalue >= ALPHA, (f"t ~ {distribution}: KS D = {result.statistic:.4f}, "
+                                  f"p = {result.pvalue:.2g} < {ALPHA}")
   low = eps if distribution == "uniform" else np.sqrt(eps)
   assert t.min() >= low * (1 - 1e-6) and t.max() <= 1.0
-  result = scipy.stats.kstest(t, lambda x: t_cdf(x, eps, distribution))
-  assert result.pvalue >= ALPHA, f"t ~ {distribution}: KS D = {result.statistic:.4f}, " \
-                                 f"p = {result.pvalue:.2g}"
   critical = scipy.stats.kstwo.ppf(1 - ALPHA, T_DRAWS)
   detectable = critical + np.sqrt(np.log(2 / (1 - POWER)) / (2 * T_DRAWS))
   assert ks_power_floor(T_DRAWS, detectable) >= POWER - 1e-12 and detectable < 0.05
@@ -189,7 +189,9 @@ def test_noise_level_distribution(many_draws, distribution):
   planted_shift = np.abs(t_cdf(grid, eps, distribution) - t_cdf(grid, eps, other)).max()
   assert planted_shift > 0.24 and ks_power_floor(T_DRAWS, planted_shift) >= POWER
   wrong = draws[other, "linear"].t_U.astype(np.float64)
-  assert scipy.stats.kstest(wrong, lambda x: t_cdf(x, eps, distribution)).pvalue < ALPHA
+  p_wrong = scipy.stats.kstest(wrong, lambda x: t_cdf(x, eps, distribution)).pvalue
+  assert p_wrong < ALPHA, f"draws of t_distribution={other!r} pass as {distribution}: p = " \
+                          f"{p_wrong:.2g}"
 
 
 @pytest.mark.parametrize("schedule", diffusion.SCHEDULES)
@@ -468,8 +470,9 @@ def assert_same_rows(got, expected, keys):
       np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
 
 
-COUNTS = ("tokens", "num_tokens", "decoder_passes", "commit_passes", "num_canvases",
-          "canvas_steps", "steps_per_canvas", "tokens_per_forward")
+# In the order compared: a failure names the first quantity that differs.
+COUNTS = ("num_canvases", "canvas_steps", "decoder_passes", "commit_passes", "num_tokens",
+          "steps_per_canvas", "tokens_per_forward", "tokens")
 # Rows of the step-count check: (kind, position, stop id) puts a stop at that position.
 TPF_SPEC = [
     ["sharp", ("graded", 4, EXTRA_STOP), "flat"],  # ends in canvas 1 (extra stop id)
@@ -547,4 +550,4 @@ def test_ar_fallback_per_row_and_canvas_equals_a_brute_force_loop(scripted_model
   assert (ar.any(1) & (ran & ~ar).any(1)).any() and ar[list(FALLBACK_FIXED)].any()
   assert (expected["ar_passes"] % C != 0).any()
   got = run_scripted(cfg, b, fixed)
-  assert_same_rows(got, expected, COUNTS + ("ar_canvases", "ar_passes", "canvas_ar"))
+  assert_same_rows(got, expected, ("canvas_ar", "ar_canvases", "ar_passes") + COUNTS)
