@@ -67,8 +67,8 @@ def reference_draws(rng, loss_cfg, layout, batch):
   The key layout (split into canvas, t and noise keys; the noise key into keep and
   replacement keys; the canvas as the Gumbel-max draw over the example's supervised canvases)
   is read off the code: only the uniforms come from JAX, every value is computed here.
-  Returns canvas_U, t_U, keep-uniforms u_UxC, keep_prob_U, replacement_UxC, clean_UxC,
-  target_UxC (float64 / int).
+  Returns a dict per decoder row u: canvas [U], t [U], keep_u [U, C] (the keep uniforms),
+  keep_prob [U] (alpha(t)), replacement [U, C], clean [U, C], target [U, C] (supervised).
   """
   tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["loss_mask"])
   b, (p, k_max, c) = tokens.shape[0], (layout.prompt_len, layout.num_canvases,
