@@ -17,7 +17,7 @@ import pytest
 import scipy.special
 import scipy.stats
 
-from diffgemma.model import config, network
+from diffgemma.model import config
 from diffgemma.sampling import sampler
 from diffgemma.tasks import Layout
 from diffgemma.training import diffusion, losses
