@@ -221,6 +221,9 @@ def test_three_formats_and_assistant_turns(tmp_path):
                               {"role": "assistant", "content": "x"}]}), "unknown role 'robot'"),
     (json.dumps({"conversations": [{"from": "human", "value": "hi"},
                                    {"from": "bot", "value": "x"}]}), "unknown role 'bot'"),
+    (json.dumps({"messages": [{"role": ["user"], "content": "hi"},  # was a TypeError
+                              {"role": "assistant", "content": "x"}]}), "unknown role ['user']"),
+    (json.dumps({"conversations": [{"from": {"a": 1}, "value": "hi"}]}), "unknown role {'a': 1}"),
     (json.dumps({"prompt": "hi", "completion": "  "}), "is empty"),
     (json.dumps({"prompt": "hi", "completion": 3}), "no string"),
     (json.dumps({"text": "hi"}), "expected \"messages\""),

@@ -127,7 +127,7 @@ def parse_record(record) -> tuple[dict, ...]:
     if not isinstance(turn, dict):
       raise ValueError(f"turn {i} is not an object")
     role = turn.get(role_key)
-    if role not in roles:
+    if not isinstance(role, str) or role not in roles:  # a list or object is no role either
       raise ValueError(f"turn {i} has unknown role {role!r}; expected one of {tuple(roles)}")
     content = turn.get(text_key)
     if not isinstance(content, str):
