@@ -226,6 +226,8 @@ def test_three_formats_and_assistant_turns(tmp_path):
     (json.dumps({"conversations": [{"from": {"a": 1}, "value": "hi"}]}), "unknown role {'a': 1}"),
     (json.dumps({"prompt": "hi", "completion": "  "}), "is empty"),
     (json.dumps({"prompt": "hi", "completion": 3}), "no string"),
+    # An unpaired surrogate escape reached the tokenizer (a UnicodeEncodeError traceback).
+    (json.dumps({"prompt": "hi\ud800", "completion": "1"}), "turn 1 (user) holds an unpaired"),
     (json.dumps({"text": "hi"}), "expected \"messages\""),
     (json.dumps([1]), "expected a JSON object"),
     (json.dumps({"messages": [{"role": "assistant", "content": "x"},
