@@ -191,22 +191,30 @@ def _quiet_exit() -> None:
     sys.unraisablehook = lambda unraisable: None
 
 
+def user_error_types() -> tuple[type[BaseException], ...]:
+  """The exceptions `run` reports as one `error:` line with exit status 2: bad input, a bad
+  config, an unusable checkpoint, tokenizer or workdir."""
+  # local: keep flag parsing light
+  from diffgemma.io import hf_weights, safetensors_dir, tokenizer
+  from diffgemma.model.kernels import platform
+  from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
+
+  return (UserError, errors.InputError, errors.ConfigError,
+          checkpointing.CheckpointError, hf_weights.WeightMappingError,
+          safetensors_dir.CheckpointFormatError, tokenizer.TokenizerError,
+          workdir_lock.WorkdirLockError, resume_config.ResumeConfigError,
+          guard.RunFailure, platform.KernelPlatformError)
+
+
 def run(main, argv=None, sections: tuple[str, ...] = ()):
   """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2; a run that
   stopped on purpose, e.g. on a non-finite loss: 3). `sections`: config sections the command
   takes as `--SECTION.KEY=VALUE` (e.g. eval.py's "sampler"; see `section_overrides`)."""
-  # local: keep flag parsing light
-  from diffgemma.io import hf_weights, safetensors_dir, tokenizer
-  from diffgemma.model.kernels import platform
-  from diffgemma.runs import checkpointing, distributed, resume_config, guard, workdir_lock
+  from diffgemma.runs import distributed  # local: keep flag parsing light
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv), sections)
   quiet_library_logs()
-  user_errors = (UserError, errors.InputError, errors.ConfigError,
-                 checkpointing.CheckpointError, hf_weights.WeightMappingError,
-                 safetensors_dir.CheckpointFormatError, tokenizer.TokenizerError,
-                 workdir_lock.WorkdirLockError, resume_config.ResumeConfigError,
-                 guard.RunFailure, platform.KernelPlatformError)
+  user_errors = user_error_types()
   try:
     try:
       main(argv)
