@@ -83,6 +83,10 @@ def test_template_errors_are_one_line(tmp_path):
   assert "\n" not in str(e.value)
   with pytest.raises(chat_template.ChatTemplateError, match="does not compile"):
     chat_template.render("{% for %}", [{"role": "user", "content": "x"}], {})
+  # Python errors of the template's expressions were tracebacks.
+  for template, error in (("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ 'a' + 1 }}", "TypeError")):
+    with pytest.raises(chat_template.ChatTemplateError, match=f"chat template: {error}"):
+      chat_template.render(template, [{"role": "user", "content": "x"}], {})
 
 
 def test_bytes_tokenizer():
