@@ -66,10 +66,30 @@ def fail(message: str, code: int = 2, on_every_process: bool = False):
   sys.exit(code)
 
 
+# A `--config.KEY` override's key: dotted names, each maybe indexed (`layers[0]`).
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_]\w*(\[\d+\])*(\.[A-Za-z_]\w*(\[\d+\])*)*")
+
+
+def _malformed_override(argv: list[str]) -> str | None:
+  """The line for the first `--config.KEY=VALUE` argument whose KEY is no dotted name (which
+  ml_collections reports as a Python SyntaxError naming no argument), else None."""
+  for arg in argv:
+    if arg.startswith("--config."):
+      key = arg[len("--config."):].partition("=")[0]
+      if not _OVERRIDE_KEY.fullmatch(key):
+        return f"{arg!r}: write --config.KEY=VALUE, KEY a dotted name such as optimizer.lr"
+  return None
+
+
 def _flag_error_message(e: Exception, argv: list[str]) -> str:
   """One line for an error absl or ml_collections raised while parsing `argv`."""
   if isinstance(e, flags.Error):
     return errors.one_line(e)
+  lookup = re.search(r"Attempting to lookup: (\S+)", str(e.args[0]) if e.args else "")
+  if isinstance(e, KeyError) and lookup:  # a key below a value (batch_size.x)
+    key = lookup.group(1)
+    return (f"unknown config key {key!r}: {key.rpartition('.')[0]} is a value, not a section; "
+            "see the config file for the keys")
   if isinstance(e, (KeyError, AttributeError)):
     # ml_collections reports an unknown override key as AttributeError(KeyError("'key'...")),
     # sometimes followed by a "Did you mean" hint.
@@ -113,6 +133,9 @@ def parse_flags_or_fail(argv: list[str], sections: tuple[str, ...] = ()) -> list
   `sections`: `--SECTION.KEY=VALUE` arguments kept for `section_overrides`, not absl."""
   for section in sections:
     argv, _SECTION_OVERRIDES[section] = split_section_overrides(argv, section)
+  malformed = _malformed_override(argv)
+  if malformed:
+    fail(malformed)
   try:
     return flags.FLAGS(resolve_config_argv(argv))
   except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
@@ -126,6 +149,9 @@ def parse_config(config_path: str, overrides: list[str]):
   from ml_collections import config_flags
 
   argv = ["parse_config", f"--config={config_path}", *overrides]
+  malformed = _malformed_override(argv)
+  if malformed:
+    raise UserError(malformed)
   values = flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
                                            sys_argv=argv)
