@@ -87,6 +87,9 @@ def test_template_errors_are_one_line(tmp_path):
   for template, error in (("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ 'a' + 1 }}", "TypeError")):
     with pytest.raises(chat_template.ChatTemplateError, match=f"chat template: {error}"):
       chat_template.render(template, [{"role": "user", "content": "x"}], {})
+  # A loop control outside a loop passed jinja's parser and failed Python's compile.
+  with pytest.raises(chat_template.ChatTemplateError, match="does not compile: 'break' outside"):
+    chat_template.render("{% break %}", [{"role": "user", "content": "x"}], {})
 
 
 def test_bytes_tokenizer():

@@ -163,6 +163,8 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
   except jinja2.exceptions.TemplateError as e:
     raise ChatTemplateError(f"chat template does not compile: {_first_line(e)}") from e
+  except SyntaxError as e:  # jinja's Python for it does not compile ({% break %} outside a loop)
+    raise ChatTemplateError(f"chat template does not compile: {e.msg}") from e
 
 
 def _plain(value: Any) -> Any:
