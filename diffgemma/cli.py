@@ -97,7 +97,8 @@ def _flag_error_message(e: Exception, argv: list[str]) -> str:
     words = re.findall(r"\w+", text)
     key = words[0] if words else text
     overrides = [a.split("=")[0][len("--config."):] for a in argv if a.startswith("--config.")]
-    culprit = next((o for o in overrides if o.split(".")[-1] == key), key)
+    culprit = next((o for o in overrides if o.split(".")[-1] == key),  # the key, else a section
+                   next((o for o in overrides if key in o.split(".")), key))
     hint = re.search(r'Did you mean "(\w+)"', text)
     return (f"unknown config key {culprit!r}" +
             (f" (did you mean {hint.group(1)!r}?)" if hint
