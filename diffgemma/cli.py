@@ -66,10 +66,30 @@ def fail(message: str, code: int = 2, on_every_process: bool = False):
   sys.exit(code)
 
 
+# A `--config.KEY` override's key: dotted names, each maybe indexed (`layers[0]`).
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_]\w*(\[\d+\])*(\.[A-Za-z_]\w*(\[\d+\])*)*")
+
+
+def _malformed_override(argv: list[str]) -> str | None:
+  """The line for the first `--config.KEY=VALUE` argument whose KEY is no dotted name (which
+  ml_collections reports as a Python SyntaxError naming no argument), else None."""
+  for arg in argv:
+    if arg.startswith("--config."):
+      key = arg[len("--config."):].partition("=")[0]
+      if not _OVERRIDE_KEY.fullmatch(key):
+        return f"{arg!r}: write --config.KEY=VALUE, KEY a dotted name such as optimizer.lr"
+  return None
+
+
 def _flag_error_message(e: Exception, argv: list[str]) -> str:
   """One line for an error absl or ml_collections raised while parsing `argv`."""
   if isinstance(e, flags.Error):
     return errors.one_line(e)
+  lookup = re.search(r"Attempting to lookup: (\S+)", str(e.args[0]) if e.args else "")
+  if isinstance(e, KeyError) and lookup:  # a key below a value (batch_size.x)
+    key = lookup.group(1)
+    return (f"unknown config key {key!r}: {key.rpartition('.')[0]} is a value, not a section; "
+            "see the config file for the keys")
   if isinstance(e, (KeyError, AttributeError)):
     # ml_collections reports an unknown override key as AttributeError(KeyError("'key'...")),
     # sometimes followed by a "Did you mean" hint.
@@ -77,7 +97,8 @@ def _flag_error_message(e: Exception, argv: list[str]) -> str:
     words = re.findall(r"\w+", text)
     key = words[0] if words else text
     overrides = [a.split("=")[0][len("--config."):] for a in argv if a.startswith("--config.")]
-    culprit = next((o for o in overrides if o.split(".")[-1] == key), key)
+    culprit = next((o for o in overrides if o.split(".")[-1] == key),  # the key, else a section
+                   next((o for o in overrides if key in o.split(".")), key))
     hint = re.search(r'Did you mean "(\w+)"', text)
     return (f"unknown config key {culprit!r}" +
             (f" (did you mean {hint.group(1)!r}?)" if hint
@@ -113,6 +134,9 @@ def parse_flags_or_fail(argv: list[str], sections: tuple[str, ...] = ()) -> list
   `sections`: `--SECTION.KEY=VALUE` arguments kept for `section_overrides`, not absl."""
   for section in sections:
     argv, _SECTION_OVERRIDES[section] = split_section_overrides(argv, section)
+  malformed = _malformed_override(argv)
+  if malformed:
+    fail(malformed)
   try:
     return flags.FLAGS(resolve_config_argv(argv))
   except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
@@ -126,6 +150,9 @@ def parse_config(config_path: str, overrides: list[str]):
   from ml_collections import config_flags
 
   argv = ["parse_config", f"--config={config_path}", *overrides]
+  malformed = _malformed_override(argv)
+  if malformed:
+    raise UserError(malformed)
   values = flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
                                            sys_argv=argv)
@@ -191,22 +218,30 @@ def _quiet_exit() -> None:
     sys.unraisablehook = lambda unraisable: None
 
 
+def user_error_types() -> tuple[type[BaseException], ...]:
+  """The exceptions `run` reports as one `error:` line with exit status 2: bad input, a bad
+  config, an unusable checkpoint, tokenizer or workdir."""
+  # local: keep flag parsing light
+  from diffgemma.io import hf_weights, safetensors_dir, tokenizer
+  from diffgemma.model.kernels import platform
+  from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
+
+  return (UserError, errors.InputError, errors.ConfigError,
+          checkpointing.CheckpointError, hf_weights.WeightMappingError,
+          safetensors_dir.CheckpointFormatError, tokenizer.TokenizerError,
+          workdir_lock.WorkdirLockError, resume_config.ResumeConfigError,
+          guard.RunFailure, platform.KernelPlatformError)
+
+
 def run(main, argv=None, sections: tuple[str, ...] = ()):
   """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2; a run that
   stopped on purpose, e.g. on a non-finite loss: 3). `sections`: config sections the command
   takes as `--SECTION.KEY=VALUE` (e.g. eval.py's "sampler"; see `section_overrides`)."""
-  # local: keep flag parsing light
-  from diffgemma.io import hf_weights, safetensors_dir, tokenizer
-  from diffgemma.model.kernels import platform
-  from diffgemma.runs import checkpointing, distributed, resume_config, guard, workdir_lock
+  from diffgemma.runs import distributed  # local: keep flag parsing light
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv), sections)
   quiet_library_logs()
-  user_errors = (UserError, errors.InputError, errors.ConfigError,
-                 checkpointing.CheckpointError, hf_weights.WeightMappingError,
-                 safetensors_dir.CheckpointFormatError, tokenizer.TokenizerError,
-                 workdir_lock.WorkdirLockError, resume_config.ResumeConfigError,
-                 guard.RunFailure, platform.KernelPlatformError)
+  user_errors = user_error_types()
   try:
     try:
       main(argv)

@@ -1,8 +1,6 @@
 """Helpers shared by several test files (no test file imports another): command lines of the
-scripts, tiny configs, saved tiny runs, test tokenizers and chat data files.
-
-scripts/check_bad_inputs.py imports `write_tokenizer_json` through tests.test_tokenizer, which
-re-exports it from here.
+scripts, tiny configs, saved tiny runs, test tokenizers and chat data files, and
+`run_tool_cases`, which runs many command lines of the tools in one process.
 """
 
 import importlib.util
@@ -269,3 +267,68 @@ def tiny_chat_config(train="", canvas_length=8, num_canvases=2, prompt_len=24, *
   c.sampler.update(dict(max_new_tokens=num_canvases * canvas_length, max_denoising_steps=3))
   c.eval.update(dict(every_steps=0, batch_size=4))
   return c
+
+
+# ----------------------------------------------------------------------------- many CLI cases
+
+
+def run_tool_cases(groups, env=None, timeout=600):
+  """Run command lines of the entry scripts through `cli.run` in ONE Python process (one JAX
+  import for all of them): `groups` is [(tool, sections, [argv, ...])], tool a path such as
+  "eval.py" or "scripts/make_sudoku_csv.py", sections its `cli.run` sections. Returns, per
+  group, per argv, {"code": exit status, "stderr", "stdout", "traceback": text or "",
+  "seconds"}.
+
+  The tool's module is loaded afresh for each command line (the previous one's flags removed),
+  so a command line does what `python TOOL ARGV` does (same flags, same `cli.run`), minus the
+  interpreter start."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+  code = "from tests.helpers import _tool_cases_main; _tool_cases_main()"
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input=json.dumps(groups),
+                     capture_output=True, text=True, env=env, timeout=timeout)
+  assert r.returncode == 0, r.stderr[-5000:]
+  return json.loads(r.stdout.splitlines()[-1])
+
+
+def _tool_cases_main():
+  """The process `run_tool_cases` starts: reads the groups from stdin, prints the outcomes."""
+  import contextlib
+  import time
+  import traceback
+
+  from absl import flags
+
+  from diffgemma import cli
+
+  out = sys.stdout
+  groups = json.load(sys.stdin)
+  baseline = set(flags.FLAGS)
+  results = []
+  for tool, sections, argvs in groups:
+    outcomes = []
+    for argv in argvs:
+      # A fresh module per command line: config_flags registers the `--config.KEY` overrides
+      # it finds in sys.argv when the tool defines --config.
+      for name in set(flags.FLAGS) - baseline:
+        delattr(flags.FLAGS, name)
+      sys.argv = [tool, *argv]
+      spec = importlib.util.spec_from_file_location(
+          "tool_" + os.path.basename(tool)[:-3], os.path.join(ROOT, tool))
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+      if hasattr(module, "define_flags"):  # scripts that define their flags under __main__
+        module.define_flags()
+      stderr, stdout = io.StringIO(), io.StringIO()
+      outcome = {"code": 0, "traceback": "", "start": time.time()}
+      with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        try:
+          cli.run(module.main, [tool, *argv], sections=tuple(sections))
+        except SystemExit as e:
+          outcome["code"] = e.code
+        except BaseException:  # pylint: disable=broad-except
+          outcome.update(code=1, traceback=traceback.format_exc())
+      outcome.update(stderr=stderr.getvalue(), stdout=stdout.getvalue(),
+                     seconds=time.time() - outcome.pop("start"))
+      outcomes.append(outcome)
+    results.append(outcomes)
+  out.write(json.dumps(results) + "\n")

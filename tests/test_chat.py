@@ -83,6 +83,13 @@ def test_template_errors_are_one_line(tmp_path):
   assert "\n" not in str(e.value)
   with pytest.raises(chat_template.ChatTemplateError, match="does not compile"):
     chat_template.render("{% for %}", [{"role": "user", "content": "x"}], {})
+  # Python errors of the template's expressions were tracebacks.
+  for template, error in (("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ 'a' + 1 }}", "TypeError")):
+    with pytest.raises(chat_template.ChatTemplateError, match=f"chat template: {error}"):
+      chat_template.render(template, [{"role": "user", "content": "x"}], {})
+  # A loop control outside a loop passed jinja's parser and failed Python's compile.
+  with pytest.raises(chat_template.ChatTemplateError, match="does not compile: 'break' outside"):
+    chat_template.render("{% break %}", [{"role": "user", "content": "x"}], {})
 
 
 def test_bytes_tokenizer():
@@ -221,8 +228,13 @@ def test_three_formats_and_assistant_turns(tmp_path):
                               {"role": "assistant", "content": "x"}]}), "unknown role 'robot'"),
     (json.dumps({"conversations": [{"from": "human", "value": "hi"},
                                    {"from": "bot", "value": "x"}]}), "unknown role 'bot'"),
+    (json.dumps({"messages": [{"role": ["user"], "content": "hi"},  # was a TypeError
+                              {"role": "assistant", "content": "x"}]}), "unknown role ['user']"),
+    (json.dumps({"conversations": [{"from": {"a": 1}, "value": "hi"}]}), "unknown role {'a': 1}"),
     (json.dumps({"prompt": "hi", "completion": "  "}), "is empty"),
     (json.dumps({"prompt": "hi", "completion": 3}), "no string"),
+    # An unpaired surrogate escape reached the tokenizer (a UnicodeEncodeError traceback).
+    (json.dumps({"prompt": "hi\ud800", "completion": "1"}), "turn 1 (user) holds an unpaired"),
     (json.dumps({"text": "hi"}), "expected \"messages\""),
     (json.dumps([1]), "expected a JSON object"),
     (json.dumps({"messages": [{"role": "assistant", "content": "x"},

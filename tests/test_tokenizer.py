@@ -148,6 +148,15 @@ def test_missing_and_malformed_tokenizer(tmp_path):
   with pytest.raises(tokenizer_lib.TokenizerError, match="cannot read") as e:
     tokenizer_lib.load_tokenizer(tmp_path)
   assert "\n" not in str(e.value)
+  # Files of the wrong shape were tracebacks (AttributeError, UnicodeDecodeError).
+  good = write_tokenizer_json(tmp_path / "shapes")
+  for name, content in (("tokenizer_config.json", b"[1]"), ("chat_template.json", b'"x"'),
+                        ("chat_template.jinja", b"\xff{{ x }}")):
+    (tmp_path / "shapes" / name).write_bytes(content)
+    with pytest.raises(tokenizer_lib.TokenizerError, match=f"cannot read .*{name}") as e:
+      tokenizer_lib.load_tokenizer(good)
+    assert "\n" not in str(e.value)
+    os.remove(tmp_path / "shapes" / name)
   # A vocabulary without turn markers loads, but cannot build a chat prompt.
   d = write_tokenizer_json(tmp_path / "plain", specials=SPECIALS[:4])
   tok = tokenizer_lib.load_tokenizer(d)

@@ -70,7 +70,8 @@ def render(template: str, messages: Sequence[Mapping[str, Any]],
   special tokens of the same name, as in transformers.
 
   Raises:
-    ChatTemplateError: the template does not compile, or raises on this conversation.
+    ChatTemplateError: the template does not compile, or raises (any exception) on this
+      conversation.
   """
   if not messages:
     raise ChatTemplateError("cannot render an empty conversation")
@@ -82,6 +83,10 @@ def render(template: str, messages: Sequence[Mapping[str, Any]],
                            add_generation_prompt=add_generation_prompt, **variables)
   except jinja2.exceptions.TemplateError as e:
     raise ChatTemplateError(f"chat template: {_first_line(e)}") from e
+  except Exception as e:  # pylint: disable=broad-except
+    # The template is the checkpoint's code: a Python error its expressions raise ({{ 1 / 0 }},
+    # a str + int) is the template's fault, as a raise_exception is.
+    raise ChatTemplateError(f"chat template: {type(e).__name__}: {_first_line(e)}") from e
 
 
 # ----------------------------------------------------------------------------- environment
@@ -158,6 +163,8 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
   except jinja2.exceptions.TemplateError as e:
     raise ChatTemplateError(f"chat template does not compile: {_first_line(e)}") from e
+  except SyntaxError as e:  # jinja's Python for it does not compile ({% break %} outside a loop)
+    raise ChatTemplateError(f"chat template does not compile: {e.msg}") from e
 
 
 def _plain(value: Any) -> Any:

@@ -326,13 +326,18 @@ def _special_splitter(specials) -> re.Pattern:
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
+  """The JSON object of `path` (None if there is no such file)."""
   if not os.path.isfile(path):
     return None
   try:
     with open(path, encoding="utf-8") as f:
-      return json.load(f)
+      value = json.load(f)
   except (OSError, ValueError) as e:
     raise TokenizerError(f"cannot read {path}: {_first_line(e)}") from e
+  if not isinstance(value, dict):  # every reader below looks keys up
+    raise TokenizerError(f"cannot read {path}: expected a JSON object, got "
+                         f"{type(value).__name__}")
+  return value
 
 
 def _chat_template(directory: str, config: dict[str, Any]) -> str | None:
@@ -340,12 +345,16 @@ def _chat_template(directory: str, config: dict[str, Any]) -> str | None:
   tokenizer config's `chat_template` (a string, or a list of named templates)."""
   jinja_path = os.path.join(directory, CHAT_TEMPLATE_FILES[0])
   if os.path.isfile(jinja_path):
-    with open(jinja_path, encoding="utf-8") as f:
-      return f.read()
+    try:
+      with open(jinja_path, encoding="utf-8") as f:
+        return f.read()
+    except (OSError, ValueError) as e:  # not UTF-8 text
+      raise TokenizerError(f"cannot read {jinja_path}: {_first_line(e)}") from e
   template = (_read_json(os.path.join(directory, CHAT_TEMPLATE_FILES[1])) or {}).get(
       "chat_template") or config.get("chat_template")
   if isinstance(template, list):
-    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    named = {t.get("name"): t.get("template") for t in template
+             if isinstance(t, dict) and isinstance(t.get("name"), str)}
     template = named.get("default") or next(iter(named.values()), None)
   return template if isinstance(template, str) else None
 

@@ -82,12 +82,18 @@ class ModelConfig:
   def __post_init__(self):
     if not self.layer_types:
       object.__setattr__(self, "layer_types", default_layer_types(self.num_layers))
+    # A string (--config.model.layer_types=full_attention) would become its characters.
+    if isinstance(self.layer_types, str) or any(t not in (SLIDING, FULL)
+                                                for t in self.layer_types):
+      raise ValueError(f"layer_types must be a tuple of {SLIDING!r} / {FULL!r}, one per layer; "
+                       f"got {self.layer_types!r}")
     object.__setattr__(self, "layer_types", tuple(self.layer_types))
     if len(self.layer_types) != self.num_layers:
       raise ValueError(
           f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}")
     if self.layer_types[-1] != FULL:
-      raise ValueError("the last layer must be 'full_attention' (the reference forces it)")
+      raise ValueError("the last of layer_types must be 'full_attention' (the reference forces "
+                       "it)")
     for n_kv in (self.num_kv_heads, self.num_global_kv_heads):
       if self.num_heads % n_kv:
         raise ValueError(f"num_heads={self.num_heads} is not a multiple of kv heads={n_kv}")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Sequence
 
 import grain
@@ -51,6 +52,7 @@ from diffgemma.tasks.base import Layout
 OVERFLOW_POLICIES = ("truncate_left", "drop", "error")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 ROLES = ("system", "user", "assistant")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: json.loads keeps it
 
 
 class ChatDataError(errors.InputError):
@@ -127,13 +129,17 @@ def parse_record(record) -> tuple[dict, ...]:
     if not isinstance(turn, dict):
       raise ValueError(f"turn {i} is not an object")
     role = turn.get(role_key)
-    if role not in roles:
+    if not isinstance(role, str) or role not in roles:  # a list or object is no role either
       raise ValueError(f"turn {i} has unknown role {role!r}; expected one of {tuple(roles)}")
     content = turn.get(text_key)
     if not isinstance(content, str):
       raise ValueError(f"turn {i} ({role}) has no string {text_key!r}")
     if not content.strip():
       raise ValueError(f"turn {i} ({role}) is empty")
+    unpaired = _SURROGATE.search(content)
+    if unpaired:  # a JSON escape such as \ud800 alone: no UTF-8 text to tokenize
+      raise ValueError(f"turn {i} ({role}) holds an unpaired surrogate {unpaired[0]!r} (a \\u "
+                       "escape of half a character); write the whole character")
     messages.append({"role": roles[role], "content": content})
   kinds = [m["role"] for m in messages]
   if "assistant" not in kinds:
