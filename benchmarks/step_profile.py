@@ -29,17 +29,15 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
 from jax._src import profiler as jax_profiler  # noqa: E402  ProfileData: the trace's events
-from ml_collections import config_flags  # noqa: E402
+from ml_collections import config_flags
 
-from diffgemma import cli  # noqa: E402
-from benchmarks.sft_step import build_step, with_overrides  # noqa: E402
+from diffgemma import cli
+from sft_step import build_step  # beside this script
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (median kept).", lower_bound=1)
@@ -222,7 +220,8 @@ def compare(config, variants: list[str], rounds: int, steps: int = 6):
   """Median seconds per step of the config and of each variant, interleaved round-robin."""
   runs = []
   for overrides in [""] + variants:
-    step_fn, state, batches = build_step(with_overrides(config, overrides), steps + 1)
+    step_fn, state, batches = build_step(cli.override_config(config, overrides.split(",")),
+                                         steps + 1)
     state, metrics = step_fn(state, None, batches[0])
     jax.block_until_ready(metrics)
     runs.append([step_fn, state, batches[1:], []])
@@ -311,7 +310,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.argv = cli.resolve_config_argv(
-      sys.argv if any(a.startswith("--config=") for a in sys.argv)
-      else sys.argv + ["--config=sft_sudoku"])
-  app.run(main)
+  cli.run(main, sys.argv if any(a.startswith("--config=") for a in sys.argv)
+           else sys.argv + ["--config=sft_sudoku"])

@@ -25,9 +25,10 @@ import time
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags
+
+from diffgemma import cli
 
 _OUT = flags.DEFINE_string("out", None, "Also write the table (markdown) to this file.")
 _ONLY = flags.DEFINE_list("only", None, "Run only the cases whose area or name contains one of "
@@ -448,9 +449,9 @@ def chat_file(name: str, *lines: str) -> Callable[[dict], None]:
 
 
 def tokenizer_without_template(paths: dict) -> None:
-  from tests.test_tokenizer import write_tokenizer_json  # a small Gemma-like tokenizer.json
-
-  write_tokenizer_json(os.path.join(paths["tmp"], "tok_no_template"))
+  helpers = cli.load_module(os.path.join(ROOT, "tests", "helpers.py"))
+  helpers.write_tokenizer_json(  # a small Gemma-like tokenizer.json
+      os.path.join(paths["tmp"], "tok_no_template"))
   chat_file("ok.jsonl")(paths)
 
 
@@ -561,4 +562,4 @@ def format_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
