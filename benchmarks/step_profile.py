@@ -33,11 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from jax._src import profiler as jax_profiler  # noqa: E402  ProfileData: the trace's events
+from jax._src import profiler as jax_profiler  # ProfileData: the trace's events
 from ml_collections import config_flags
 
 from diffgemma import cli
-from sft_step import build_step  # beside this script
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (median kept).", lower_bound=1)
@@ -51,6 +50,12 @@ _NOT_OPERATIONS = re.compile(r"^(end: |ThreadpoolListener|SlinkyThreadPool|Thunk
 # Operations whose time is their children's (counted there).
 _CONTAINERS = {"while", "conditional", "call"}
 
+
+def build_step(config, steps: int):
+  """benchmarks/sft_step.py's build_step (loaded by path: this file also runs as a script, and
+  tests import it as benchmarks.step_profile)."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  return cli.load_module(os.path.join(here, "sft_step.py")).build_step(config, steps)
 
 def dot_flops(jaxpr) -> float:
   """FLOPs of every dot_general in a (closed) jaxpr, nested jaxprs included; a scan's body
