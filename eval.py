@@ -6,8 +6,8 @@
   python eval.py --init_from=CHECKPOINT_DIR --data=FILE --config=CONFIG
   python eval.py --workdir=DIR --data=FILE --quantize=int4            # a quantized base
   python eval.py --workdir=DIR --data=FILE --sampler.entropy_bound=0.3  # any sampler key
-  python eval.py --workdir=DIR --data=FILE --sweep sampler.entropy_bound=0.05,0.1,0.2,0.4 \
-      [--sweep sampler.t_max=0.6,0.8,1.0] --out=SWEEP_DIR      # quality against TPF
+  python eval.py --workdir=DIR --data=FILE --scan sampler.entropy_bound=0.05,0.1,0.2,0.4 \
+      [--scan sampler.t_max=0.6,0.8,1.0] --out=SCAN_DIR      # quality against TPF
 
 The task of the run (config.task.name) reads the file: a Kaggle-format CSV of puzzles for
 Sudoku, a JSONL of conversations for chat (the last assistant turn is the reference; infill
@@ -21,11 +21,12 @@ metrics; its "headline_metric" names the task's main one, and it carries the lat
 seconds_per_canvas; tokens_per_second_warm; sampling/evaluation.latency_metrics) and the device
 (kind, jax version, CPU and accelerator model).
 
-`--sweep sampler.KEY=V1,V2,...` (repeatable) evaluates every value of each swept key, one key
-at a time on top of the run's sampler and any --sampler.KEY=VALUE, on the same examples and
-seed, the weights loaded once; --out=DIR receives sweep.md (the table: the task's headline
-metric, TPF, steps per canvas, warm latency), sweep.png (the headline metric against TPF, one
-line per swept key; diffgemma/tools/compare.py) and sweep.json (every point's metrics).
+`--scan sampler.KEY=V1,V2,...` (repeatable) evaluates every value of each scanned key, one key
+at a time on top of the run's sampler and any --sampler.KEY=VALUE (not a cross product: that is
+scripts/sweep.py's --grid, over training runs), on the same examples and seed, the weights
+loaded once; --out=DIR receives scan.md (the table: the task's headline metric, TPF, steps per
+canvas, warm latency), scan.png (the headline metric against TPF, one line per scanned key;
+diffgemma/tools/compare.py) and scan.json (every point's metrics).
 """
 
 import json
@@ -63,11 +64,12 @@ _SEEN_IN = flags.DEFINE_string(
     "to tell a run that memorises from one that generalises.")
 _QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8", "int4"], "Quantize the weights "
                               "(weight-only; diffgemma/model/quantize.py defaults) before sampling.")
-_SWEEP = flags.DEFINE_multi_string(
-    "sweep", [], "sampler.KEY=V1,V2,...: evaluate each value (one swept key at a time; "
+_SCAN = flags.DEFINE_multi_string(
+    "scan", [], "sampler.KEY=V1,V2,...: evaluate each value (one scanned key at a time; "
     "repeat the flag for more keys) and write a table and a plot to --out.")
-_OUT = flags.DEFINE_string("out", None, "With --sweep: directory for sweep.md, sweep.png and "
-                           "sweep.json.")
+_RENAMED_SWEEP = flags.DEFINE_multi_string("sweep", [], "Renamed: use --scan.")
+_OUT = flags.DEFINE_string("out", None, "With --scan: directory for scan.md, scan.png and "
+                           "scan.json.")
 _TRAJECTORY = flags.DEFINE_bool(
     "trajectory_stats", False, "Record the sampler's trajectories; add settle_steps_per_canvas "
     "(the mean step from which the argmax canvas stopped changing) and the task's step_profile "
@@ -87,6 +89,8 @@ def eval_overrides() -> dict:
 
 def main(argv):
   del argv
+  if _RENAMED_SWEEP.value:
+    raise cli.UserError("--sweep is now --scan (the same sampler.KEY=V1,V2,... values)")
   if _WORKDIR.value and _INIT_FROM.value:
     raise cli.UserError("give one of --workdir or --init_from, not both")
   if not (_WORKDIR.value or _INIT_FROM.value) or not _DATA.value:
@@ -104,18 +108,15 @@ def main(argv):
   from diffgemma.runs import loaded, provenance
   from diffgemma.sampling import evaluation, sampler
 
-  try:
-    sampler_overrides = sampler.parse_overrides(cli.section_overrides("sampler"))
-  except ValueError as e:
-    raise cli.UserError(str(e)) from None
+  sampler_overrides = cli.section_overrides("sampler", sampler.SamplerConfig)
   overrides = dict(sampler_overrides)
   if _TRAJECTORY.value:
     overrides["record_trajectory"] = True
-  sweep = parse_sweep(_SWEEP.value, sampler)
-  if sweep and not _OUT.value:
-    raise cli.UserError("--sweep needs --out=DIR for its table and plot")
-  if _OUT.value and not sweep:
-    raise cli.UserError("--out is for --sweep; without a sweep the metrics are printed")
+  scan = parse_scan(_SCAN.value, sampler)
+  if scan and not _OUT.value:
+    raise cli.UserError("--scan needs --out=DIR for its table and plot")
+  if _OUT.value and not scan:
+    raise cli.UserError("--out is for --scan; without a scan the metrics are printed")
   if _WORKDIR.value:
     run = loaded.open_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
   else:
@@ -132,13 +133,13 @@ def main(argv):
   except ValueError as e:
     raise cli.UserError(f"{_DATA.value}: {e}") from None
   points = []
-  for key, values in sweep:  # every point's sampler is checked before the weights load
+  for key, values in scan:  # every point's sampler is checked before the weights load
     for value in values:
       try:
         points.append((key, value, run.sampler_cfg.replace(**{key: value})))
         evaluation.check_prompts(prompts, run.run_cfg.model, points[-1][2])
       except ValueError as e:
-        raise cli.UserError(f"--sweep sampler.{key}={value}: {e}") from None
+        raise cli.UserError(f"--scan sampler.{key}={value}: {e}") from None
   seen_paths = [p.strip() for p in (_SEEN_IN.value or "").split(",") if p.strip()]
   # Checked (and the training files read) before the weights load and the evaluation runs.
   if seen_paths and run.task.seen_split([], seen_paths) is None:
@@ -151,7 +152,7 @@ def main(argv):
     run.params = quantize.quantize_params(run.params, quantize.QuantizeConfig(_QUANTIZE.value))
   batch = _BATCH.value or run.run_cfg.eval.batch_size
   if points:
-    run_sweep(run, prompts, batch, points, sampler_overrides, provenance.device_info())
+    run_scan(run, prompts, batch, points, sampler_overrides, provenance.device_info())
     return
   with tqdm(total=len(prompts), desc="eval", unit="example",
             disable=not distributed.primary()) as bar:
@@ -176,26 +177,15 @@ def main(argv):
   print(json.dumps(metrics))
 
 
-def parse_sweep(specs: list[str], sampler) -> list[tuple[str, list]]:
-  """[(key, typed values)] of --sweep sampler.KEY=V1,V2,... flags; UserError (one line)."""
-  out = []
-  for spec in specs:
-    name, sep, values = spec.partition("=")
-    key = name.removeprefix("sampler.")
-    if not sep or key == name or not key or not values.strip():
-      raise cli.UserError(f"--sweep {spec!r}: write --sweep sampler.KEY=V1,V2,...")
-    if key in (k for k, _ in out):
-      raise cli.UserError(f"--sweep sampler.{key} is given twice")
-    try:
-      typed = [sampler.parse_overrides({key: v.strip()})[key] for v in values.split(",")]
-    except ValueError as e:
-      raise cli.UserError(f"--sweep: {e}") from None
-    out.append((key, typed))
-  return out
+def parse_scan(specs: list[str], sampler) -> list[tuple[str, list]]:
+  """[(key, typed values)] of --scan sampler.KEY=V1,V2,... flags; UserError (one line)."""
+  return [(key, [cli.typed_overrides({key: v}, sampler.SamplerConfig, "sampler")[key]
+                 for v in values])
+          for key, values in cli.parse_value_lists(specs, "scan", "sampler")]
 
 
-def run_sweep(run, prompts, batch: int, points, sampler_overrides: dict, device: dict) -> None:
-  """Evaluate every sweep point on the same prompts and seed; write and print the table, the
+def run_scan(run, prompts, batch: int, points, sampler_overrides: dict, device: dict) -> None:
+  """Evaluate every scan point on the same prompts and seed; write and print the table, the
   plot and the points' metrics."""
   from diffgemma.runs import provenance
   from diffgemma.sampling import evaluation
@@ -211,25 +201,25 @@ def run_sweep(run, prompts, batch: int, points, sampler_overrides: dict, device:
     results.append(compare.SweepPoint(key, value, metrics))
   metric = run.task.headline_metric_for(prompts)
   table = compare.markdown(*compare.sweep_table(results, metric))
-  header = (f"Sampler sweep of {run.source} (checkpoint step {run.step}) on "
+  header = (f"Sampler scan of {run.source} (checkpoint step {run.step}) on "
             f"{os.path.abspath(_DATA.value)}: {len(prompts)} examples, seed {_SEED.value}, batch "
             f"{min(batch, len(prompts))}; base overrides {sampler_overrides or 'none'}; "
             f"{provenance.describe_device(device)}")
   if not distributed.primary():  # every process evaluated the same points; process 0 writes
     return
   os.makedirs(_OUT.value, exist_ok=True)
-  with open(os.path.join(_OUT.value, "sweep.md"), "w", encoding="utf-8") as f:
+  with open(os.path.join(_OUT.value, "scan.md"), "w", encoding="utf-8") as f:
     f.write(header + "\n\n" + table + "\n")
-  width, height = compare.plot_sweep(results, metric, os.path.join(_OUT.value, "sweep.png"))
-  with open(os.path.join(_OUT.value, "sweep.json"), "w", encoding="utf-8") as f:
+  width, height = compare.plot_sweep(results, metric, os.path.join(_OUT.value, "scan.png"))
+  with open(os.path.join(_OUT.value, "scan.json"), "w", encoding="utf-8") as f:
     json.dump({"headline_metric": metric, "checkpoint_step": run.step, "device": device,
                "data": os.path.abspath(_DATA.value), "sampler_overrides": sampler_overrides,
                "points": [{"key": p.key, "value": p.value, "metrics": p.metrics}
                           for p in results]}, f, indent=1)
   print(header)
   print(table)
-  print(f"plot: {os.path.join(_OUT.value, 'sweep.png')} ({width}x{height}); "
-        f"points: {os.path.join(_OUT.value, 'sweep.json')}")
+  print(f"plot: {os.path.join(_OUT.value, 'scan.png')} ({width}x{height}); "
+        f"points: {os.path.join(_OUT.value, 'scan.json')}")
 
 
 def write_jsonl(path: str, records) -> None:

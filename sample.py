@@ -104,13 +104,12 @@ def sample_text():
     raise cli.UserError(f"--max_new_tokens must be positive (got {_MAX_NEW_TOKENS.value})")
   if not os.path.isdir(path):
     raise cli.UserError(f"checkpoint directory {path!r} not found")
-  from diffgemma.io import tokenizer as tokenizer_lib
-  from diffgemma.io.safetensors_dir import CheckpointFormatError
   from diffgemma.sampling import sampler
   from diffgemma import tasks
 
+  overrides = _sampler_overrides()
   try:
-    defaults = sampler.SamplerConfig().replace(**_sampler_overrides())
+    defaults = sampler.SamplerConfig().replace(**overrides)
   except ValueError as e:
     raise cli.UserError(f"bad sampler override: {e}") from None
   max_new = _MAX_NEW_TOKENS.value or defaults.max_new_tokens
@@ -119,7 +118,7 @@ def sample_text():
   try:
     task = tasks.checkpoint_text_task(path, max_new, text, chat=_CHAT.value)
     prompts = task.prompt_from_text(text, chat=_CHAT.value)
-  except (tokenizer_lib.TokenizerError, CheckpointFormatError, ValueError) as e:
+  except ValueError as e:  # a tokenizer or checkpoint file (errors.InputError), a prompt
     raise cli.UserError(str(e)) from None
   num_prompt = prompts.prompt_NxP.shape[1]
   infill = _infill_slots(task)
@@ -231,10 +230,7 @@ def _sampler_overrides() -> dict:
   """--sampler.KEY=VALUE, typed by the sampler's fields."""
   from diffgemma.sampling import sampler
 
-  try:
-    return sampler.parse_overrides(cli.section_overrides("sampler"))
-  except ValueError as e:
-    raise cli.UserError(str(e)) from None
+  return cli.section_overrides("sampler", sampler.SamplerConfig)
 
 
 def _maybe_quantize(params):

@@ -48,15 +48,13 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import torch
+import torch.nn.functional as F
+from absl import flags
+from torch import nn
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from absl import app, flags  # noqa: E402
-from torch import nn  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 FLAGS = flags.FLAGS
 ESTIMATE_AFTER_STEPS = 20  # steps timed before the cosine's length is estimated
@@ -489,5 +487,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.define_help_flags()  # cli.run parses without them: --help would be an unknown flag
   cli.run(main)

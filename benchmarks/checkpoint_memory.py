@@ -13,9 +13,9 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import app, flags  # noqa: E402
+from diffgemma import cli
 
 _HIDDEN = flags.DEFINE_integer("hidden_size", 1024, "Hidden size of the test model.")
 _LAYERS = flags.DEFINE_integer("num_layers", 6, "Layers.")
@@ -83,4 +83,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -37,25 +37,23 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from benchmarks import kernels as kernel_bench  # noqa: E402
-from diffgemma.model import network, quantize  # noqa: E402
+import kernels as kernel_bench  # benchmarks/kernels.py, beside this script
+from diffgemma import cli
+from diffgemma.model import network, quantize
 from diffgemma.runs import provenance, run_config, training_state
 from diffgemma.sampling import sampler
 from diffgemma.training import update_step
 from diffgemma.training.stages import sft
-from diffgemma.tasks import make_task  # noqa: E402
-from diffgemma.model.config import FULL, SLIDING, ModelConfig, gemma_26b_a4b  # noqa: E402
+from diffgemma.tasks import make_task
+from diffgemma.model.config import FULL, SLIDING, ModelConfig, gemma_26b_a4b
 
 _OUT = flags.DEFINE_string("out", None, "Directory for gpu_suite.md and gpu_suite.json.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CI on a CPU).")
@@ -392,7 +390,7 @@ def write(suite: Suite, out_dir: str, header: list[str]):
 def main(argv):
   del argv
   if not _OUT.value:
-    raise app.UsageError("--out=DIR is required")
+    raise cli.UserError("--out=DIR is required")
   smoke, repeats = _SMOKE.value, _REPEATS.value
   if smoke:
     repeats = 1
@@ -434,4 +432,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

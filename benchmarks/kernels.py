@@ -16,21 +16,18 @@ max(FLOPs / peak FLOP/s, bytes / peak bytes/s). Interpret-mode times on CPU mean
 --smoke only checks that everything runs and agrees.
 """
 
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from diffgemma.model import attention_mask, network  # noqa: E402
-from diffgemma.model.config import FULL, SLIDING, gemma_26b_a4b  # noqa: E402
-from diffgemma.model.kernels import attention as attention_kernel  # noqa: E402
-from diffgemma.model.kernels import moe as moe_kernel  # noqa: E402
+from diffgemma import cli
+from diffgemma.model import attention_mask, network
+from diffgemma.model.config import FULL, SLIDING, gemma_26b_a4b
+from diffgemma.model.kernels import attention as attention_kernel
+from diffgemma.model.kernels import moe as moe_kernel
 
 SMOKE_OVERRIDES = dict(  # the 26B-A4B structure at CPU size (benchmarks' --smoke)
     hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, global_head_dim=128,
@@ -208,4 +205,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("step_layers", 6, "Layers of the scaled-down model (6 = one sliding "
                        "period: 5 sliding + 1 full).")
   flags.DEFINE_string("dtype", "bfloat16", "Activation and weight dtype.")
-  app.run(main)
+  cli.run(main)

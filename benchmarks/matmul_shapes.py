@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from absl import app, flags
+from absl import flags
+
+from diffgemma import cli
 
 _TOKENS = flags.DEFINE_list("tokens", ["256", "640"], "Rows M of the activations.")
 _HIDDEN = flags.DEFINE_integer("hidden_size", 128, "Hidden size.")
@@ -96,4 +98,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -10,17 +10,13 @@ diffgemma/model/quantize.py quantizes: of a training run's checkpoint (--workdir
 quantizer's error.
 """
 
-import os
-import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from diffgemma.model import lora, quantize  # noqa: E402
+from diffgemma import cli
+from diffgemma.model import lora, quantize
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run whose weights to measure.")
 
@@ -82,4 +78,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

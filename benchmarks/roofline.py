@@ -26,15 +26,11 @@ bfloat16 math. Peaks are the vendors' dense (no sparsity) datasheet figures for 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import app, flags  # noqa: E402
-
-from diffgemma.model.config import SLIDING, ModelConfig, gemma_26b_a4b  # noqa: E402
-
+from diffgemma import cli
+from diffgemma.model.config import SLIDING, ModelConfig, gemma_26b_a4b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,4 +204,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("prefix", 4096, "Cached prefix tokens.")
   flags.DEFINE_float("tpf", 19.74, "Tokens per forward for the tokens/s column (the report's "
                      "average over its 7 benchmarks).")
-  app.run(main)
+  cli.run(main)

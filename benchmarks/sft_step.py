@@ -1,26 +1,11 @@
 """The SFT update step of a config, built for timing: shared by step_profile.py and step_ab.py.
 
 diffgemma is imported inside the functions, so each of step_ab.py's processes builds the step
-from the code tree it times (that tree first on sys.path), while this file comes from the tree
+from the code tree it times (its PYTHONPATH names that tree), while this file comes from the tree
 that runs the benchmark.
 """
 
 import tempfile
-
-
-def with_overrides(config, overrides: str):
-  """A copy of `config` with 'KEY=VALUE,KEY=VALUE' applied (values parsed as the key's type)."""
-  config = config.copy_and_resolve_references()
-  for item in filter(None, overrides.split(",")):
-    key, value = item.split("=", 1)
-    *path, last = key.strip().split(".")
-    node = config
-    for part in path:
-      node = node[part]
-    current = node[last]
-    node[last] = (value.lower() in ("1", "true") if isinstance(current, bool)
-                  else type(current)(value))
-  return config
 
 
 def build_step(config, steps: int):

@@ -24,7 +24,9 @@ import tempfile
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from diffgemma import cli
 
 _VARIANTS = flags.DEFINE_multi_string("variant", None, "LABEL:SOURCE[:ENV] (see the docstring).")
 _CONFIG = flags.DEFINE_string("config", "sft_sudoku", "Config name (configs/NAME.py[:VARIANT]).")
@@ -36,11 +38,13 @@ _CHILD = flags.DEFINE_string("child", None, "Internal: the source tree this proc
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load_config(tree: str, name: str):
-  """The tree's configs/NAME.py get_config(VARIANT)."""
+def _load_config(tree: str, spec: str):
+  """The tree's configs/NAME.py get_config(VARIANT), of `spec` = NAME[:VARIANT] or a path
+  ending in configs/NAME.py[:VARIANT] (as cli.run resolves --config=NAME)."""
   import importlib.util
 
-  name, _, variant = name.partition(":")
+  path, _, variant = spec.partition(":")
+  name = os.path.basename(path).removesuffix(".py")
   spec = importlib.util.spec_from_file_location(name, os.path.join(tree, "configs", name + ".py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -62,12 +66,12 @@ def _sft_step_module():
 def child(tree: str):
   """Builds and compiles the tree's update step, then times `steps_per_round` steps for every
   'go' read from stdin, answering one JSON line each."""
-  sys.path.insert(0, tree)
-  sys.path.insert(0, os.path.join(tree, "configs"))
   import jax
 
+  from diffgemma import cli  # the tree's own: the parent puts it on PYTHONPATH
+
   sft_step = _sft_step_module()
-  config = sft_step.with_overrides(_load_config(tree, _CONFIG.value), _OVERRIDES.value)
+  config = cli.override_config(_load_config(tree, _CONFIG.value), _OVERRIDES.value.split(","))
   step_fn, state, batches = sft_step.build_step(config, _STEPS.value + 1)
   state, metrics = step_fn(state, None, batches[0])
   jax.block_until_ready(metrics)
@@ -118,7 +122,8 @@ def parent():
            f"--config={_CONFIG.value}", f"--config_overrides={_OVERRIDES.value}",
            f"--steps_per_round={_STEPS.value}"],
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=directory,
-          env={**os.environ, **extra})
+          env={**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
+              p for p in (directory, os.environ.get("PYTHONPATH")) if p)})
       line = process.stdout.readline()
       if not line:  # the child died while compiling (e.g. a flag this CPU cannot run)
         print(f"{label}: {source} at {commit}, env {env or '-'}: FAILED (exit code "
@@ -144,8 +149,8 @@ def parent():
     shutil.rmtree(scratch, ignore_errors=True)
   variants = kept
   medians = [float(np.median(t)) for t in times]
-  print(f"{_CONFIG.value} {_OVERRIDES.value}: {_ROUNDS.value} interleaved rounds of "
-        f"{_STEPS.value} steps, median ms per step, speedup over {variants[0][0]}; "
+  print(f"{os.path.basename(_CONFIG.value)} {_OVERRIDES.value}: {_ROUNDS.value} interleaved "
+        f"rounds of {_STEPS.value} steps, median ms per step, speedup over {variants[0][0]}; "
         f"{os.cpu_count()} CPUs")
   for (label, _, _), seconds, record in zip(variants, medians, times):
     spread = (min(record) * 1e3, max(record) * 1e3)
@@ -162,4 +167,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

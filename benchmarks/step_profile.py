@@ -29,17 +29,14 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+from jax._src import profiler as jax_profiler  # ProfileData: the trace's events
+from ml_collections import config_flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from jax._src import profiler as jax_profiler  # noqa: E402  ProfileData: the trace's events
-from ml_collections import config_flags  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
-from benchmarks.sft_step import build_step, with_overrides  # noqa: E402
+from diffgemma import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (median kept).", lower_bound=1)
@@ -53,6 +50,12 @@ _NOT_OPERATIONS = re.compile(r"^(end: |ThreadpoolListener|SlinkyThreadPool|Thunk
 # Operations whose time is their children's (counted there).
 _CONTAINERS = {"while", "conditional", "call"}
 
+
+def build_step(config, steps: int):
+  """benchmarks/sft_step.py's build_step (loaded by path: this file also runs as a script, and
+  tests import it as benchmarks.step_profile)."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  return cli.load_module(os.path.join(here, "sft_step.py")).build_step(config, steps)
 
 def dot_flops(jaxpr) -> float:
   """FLOPs of every dot_general in a (closed) jaxpr, nested jaxprs included; a scan's body
@@ -222,7 +225,8 @@ def compare(config, variants: list[str], rounds: int, steps: int = 6):
   """Median seconds per step of the config and of each variant, interleaved round-robin."""
   runs = []
   for overrides in [""] + variants:
-    step_fn, state, batches = build_step(with_overrides(config, overrides), steps + 1)
+    step_fn, state, batches = build_step(cli.override_config(config, overrides.split(",")),
+                                         steps + 1)
     state, metrics = step_fn(state, None, batches[0])
     jax.block_until_ready(metrics)
     runs.append([step_fn, state, batches[1:], []])
@@ -311,7 +315,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.argv = cli.resolve_config_argv(
-      sys.argv if any(a.startswith("--config=") for a in sys.argv)
-      else sys.argv + ["--config=sft_sudoku"])
-  app.run(main)
+  cli.run(main, sys.argv if any(a.startswith("--config=") for a in sys.argv)
+           else sys.argv + ["--config=sft_sudoku"])

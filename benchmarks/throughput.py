@@ -12,19 +12,17 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
+from absl import flags
+from ml_collections import config_flags
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 from diffgemma.runs import run_config, training_state, loaded
 from diffgemma.sampling import sampler
 from diffgemma.training import update_step
 from diffgemma.training.stages import sft
-from diffgemma.tasks import make_task  # noqa: E402
+from diffgemma.tasks import make_task
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Optional trained run to sample from.")
@@ -95,7 +93,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.argv = cli.resolve_config_argv(
-      sys.argv if any(a.startswith("--config=") for a in sys.argv)
-      else sys.argv + ["--config=sft_sudoku"])
-  app.run(main)
+  cli.run(main, sys.argv if any(a.startswith("--config=") for a in sys.argv)
+           else sys.argv + ["--config=sft_sudoku"])

@@ -44,28 +44,27 @@ a small model's step time is then about operations x cost per operation.
 import copy
 import os
 import re
-import sys
 import time
 
-# The repository root replaces this script's folder on the path: transformers probes for a
-# top-level `kernels` package, which benchmarks/kernels.py would shadow.
-sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.utils.flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+import transformers
+from absl import flags
+from transformers.cache_utils import DynamicCache
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.utils.flop_counter  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-import transformers  # noqa: E402
-from absl import app, flags  # noqa: E402
-from transformers.cache_utils import DynamicCache  # noqa: E402
-
-from diffgemma.training import diffusion, losses  # noqa: E402
+from diffgemma import cli
+from diffgemma.training import diffusion, losses
 from diffgemma.model import network
 from diffgemma.sampling import sampler
-from diffgemma.tasks import Layout  # noqa: E402
-from tests import reference_sampling as rs  # noqa: E402
+from diffgemma.tasks import Layout
+
+# The transformers reference's sampler, shared with the tests (not part of the package).
+rs = cli.load_module(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "tests", "reference_sampling.py"))
 
 # Model sizes (transformers' names).
 _VOCAB = flags.DEFINE_integer("vocab_size", 512, "Vocabulary size.")
@@ -535,4 +534,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

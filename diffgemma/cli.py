@@ -1,4 +1,6 @@
-"""Shared command-line plumbing: `--config=NAME` resolution and one-line user errors.
+"""The one command-line path of every command: `--config=NAME` resolution, `--help`, the
+overrides (`--config.KEY=VALUE`, `--SECTION.KEY=VALUE`, `KEY=V1,V2,...` value lists) and one-line
+user errors.
 
 Library chatter is kept off the terminal: orbax logs every failed background write (with its
 traceback) before the error reaches us, and its asyncio threads print "Event loop is closed"
@@ -8,20 +10,23 @@ a failure is the one `error:` line.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import sys
+from typing import Any
 
 from absl import flags
 
 from diffgemma import errors  # a leaf module: no imports of its own
+from diffgemma.errors import UserError  # what the commands raise: `cli.UserError`
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
-
-class UserError(Exception):
-  """A problem with the user's input; printed as one line without a traceback."""
+# absl's help flags; `run` answers them itself (absl's own exit with status 1).
+HELP_FLAGS = ("-h", "-?", "--help", "-help", "--helpshort", "-helpshort")
+HELPFULL_FLAGS = ("--helpfull", "-helpfull")
 
 
 def resolve_config_argv(argv: list[str]) -> list[str]:
@@ -47,12 +52,20 @@ def resolve_config_argv(argv: list[str]) -> list[str]:
 
 def load_named_config(name: str):
   """configs/NAME.py's get_config(), for tools whose --config is optional."""
+  return load_module(os.path.join(CONFIG_DIR, name + ".py")).get_config()
+
+
+def load_module(path: str):
+  """The Python file at `path` run as a module (by path: a repository file the installed
+  package does not hold, e.g. a test helper a benchmark reuses)."""
   import importlib.util
 
-  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIG_DIR, name + ".py"))
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # where its dataclasses look up their annotations
   spec.loader.exec_module(module)
-  return module.get_config()
+  return module
 
 
 def fail(message: str, code: int = 2, on_every_process: bool = False):
@@ -124,14 +137,124 @@ def split_section_overrides(argv: list[str], section: str) -> tuple[list[str], d
   return rest, found
 
 
-def section_overrides(section: str) -> dict[str, str]:
-  """The `--SECTION.KEY=VALUE` arguments of this command (raw strings; the section types them)."""
-  return dict(_SECTION_OVERRIDES.get(section, {}))
+def section_overrides(section: str, cls) -> dict[str, Any]:
+  """The `--SECTION.KEY=VALUE` arguments of this command, typed by the dataclass `cls` of the
+  section (`typed_overrides`)."""
+  return typed_overrides(_SECTION_OVERRIDES.get(section, {}), cls, section)
+
+
+def help_requested(argv: list[str]) -> str | None:
+  """"full" (--helpfull), "short" (--help, -h) or None, from the flags before a `--`."""
+  ours = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+  if any(a in HELPFULL_FLAGS for a in ours):
+    return "full"
+  return "short" if any(a in HELP_FLAGS for a in ours) else None
+
+
+def command_help(full: bool, values: flags.FlagValues = flags.FLAGS) -> str:
+  """The command's docstring and its flags (in `values`) with their help text, absl's format:
+  the flags of the script and of diffgemma; `full`: every flag, absl's and the libraries'."""
+  main = sys.modules.get("__main__")
+  text = ((main.__doc__ or "").strip() + "\n\n") if main is not None else ""
+  if full:
+    return text + values.get_help()
+  modules = values.flags_by_module_dict()
+  own = [m for m in modules if m == sys.argv[0]] + sorted(
+      m for m in modules if m.startswith("diffgemma."))
+  shown = "\n\n".join(values.module_help(m) for m in own)
+  return text + (shown or "(no flags)") + "\n\nTry --helpfull to get a list of all flags."
+
+
+def config_listing(config) -> str:
+  """A ConfigDict as sorted `KEY = VALUE` lines, the keys as `--config.KEY=VALUE` names them."""
+  from diffgemma.runs import resume_config
+
+  flat = resume_config.flatten(config.to_dict())
+  return "\n".join(f"  {key} = {flat[key]!r}" for key in sorted(flat))
+
+
+def print_help_and_exit(argv: list[str], full: bool, sections: tuple[str, ...] = ()) -> None:
+  """Print `command_help`; with a `--config=...` that the command takes as a ConfigDict, also
+  the resolved config (its overrides applied). Exit status 0."""
+  print(command_help(full))
+  given = any(a.startswith("--config=") for a in argv)
+  if given and "config" in flags.FLAGS:
+    rest = [a for a in argv if a not in HELP_FLAGS + HELPFULL_FLAGS]
+    parse_flags_or_fail(rest, sections)
+    config = flags.FLAGS["config"].value
+    if hasattr(config, "to_dict"):
+      spec = next(a for a in argv if a.startswith("--config=")).split("=", 1)[1]
+      print(f"\nconfig {spec} (any key: --config.KEY=VALUE):\n{config_listing(config)}")
+  sys.exit(0)
+
+
+# ----------------------------------------------------------------------------- overrides
+
+LIST_FLAGS = ("grid", "scan")  # the flags that take KEY=V1,V2,... (scripts/sweep.py, eval.py)
+
+
+def parse_assignment(text: str, flag: str, section: str = "config") -> tuple[str, str]:
+  """"KEY=VALUE" of a `--FLAG KEY=VALUE` argument -> (KEY, VALUE), a leading "SECTION." taken
+  off KEY; UserError when it is not of that form."""
+  key, sep, value = text.partition("=")
+  key = key.strip().removeprefix(section + ".")
+  if not sep or not key or not value:
+    raise UserError(f"--{flag} {text!r}: expected KEY=VALUE"
+                    + ("S (comma-separated)" if flag in LIST_FLAGS else ""))
+  return key, value
+
+
+def parse_value_lists(specs: list[str], flag: str, section: str = "config"
+                      ) -> list[tuple[str, list[str]]]:
+  """["KEY=V1,V2", ...] of a repeatable `--FLAG` -> [(KEY, [V1, V2]), ...] in the given order
+  (values still strings); UserError for a malformed spec, an empty or repeated value, or a key
+  given twice."""
+  lists = []
+  for spec in specs:
+    key, values = parse_assignment(spec, flag, section)
+    values = [v.strip() for v in values.split(",")]
+    if any(not v for v in values):
+      raise UserError(f"--{flag} {spec!r}: empty value in the list")
+    if len(set(values)) != len(values):
+      raise UserError(f"--{flag} {spec!r}: a value appears twice")
+    if key in (k for k, _ in lists):
+      raise UserError(f"--{flag}: key {key!r} is given twice; list all its values in one "
+                      f"--{flag}")
+    lists.append((key, values))
+  return lists
+
+
+def typed_overrides(raw: dict[str, str], cls, section: str) -> dict[str, Any]:
+  """{field: value} of command-line strings (`--SECTION.KEY=VALUE`) for the dataclass `cls`,
+  each typed as its field's default; ConfigError (one line) for an unknown key or a bad value."""
+  defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+  out = {}
+  for key, text in raw.items():
+    if key not in defaults:
+      raise errors.ConfigError(f"unknown {section} key {key!r}; choose one of "
+                               f"{tuple(defaults)}")
+    default = defaults[key]
+    try:
+      if isinstance(default, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+          raise ValueError
+        out[key] = text.lower() in ("true", "1")
+      elif isinstance(default, tuple):
+        out[key] = tuple(int(t) for t in text.split(",") if t.strip())
+      else:
+        out[key] = type(default)(text)
+    except ValueError:
+      raise errors.ConfigError(
+          f"--{section}.{key}={text!r} is not a {type(default).__name__}") from None
+  return out
 
 
 def parse_flags_or_fail(argv: list[str], sections: tuple[str, ...] = ()) -> list[str]:
   """Parse absl flags, turning any flag/config-override problem into a one-line error.
   `sections`: `--SECTION.KEY=VALUE` arguments kept for `section_overrides`, not absl."""
+  help_wanted = help_requested(argv)
+  if help_wanted:
+    print_help_and_exit(argv, help_wanted == "full", sections)
   for section in sections:
     argv, _SECTION_OVERRIDES[section] = split_section_overrides(argv, section)
   malformed = _malformed_override(argv)
@@ -156,6 +279,22 @@ def parse_config(config_path: str, overrides: list[str]):
   values = flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
                                            sys_argv=argv)
+  return _parsed_config(holder, values, argv)
+
+
+def override_config(config, assignments: list[str]):
+  """A copy of the ConfigDict `config` with ["KEY=VALUE", ...] applied as train.py applies
+  `--config.KEY=VALUE`; UserError (one line) for an unknown key or a bad value."""
+  from ml_collections import config_flags
+
+  argv = ["override_config", *(f"--config.{a.strip()}" for a in assignments if a.strip())]
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_dict("config", config.copy_and_resolve_references(),
+                                           flag_values=values)
+  return _parsed_config(holder, values, argv)
+
+
+def _parsed_config(holder, values: flags.FlagValues, argv: list[str]):
   try:
     values(argv)
   except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
@@ -219,37 +358,28 @@ def _quiet_exit() -> None:
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-  """The exceptions `run` reports as one `error:` line with exit status 2: bad input, a bad
-  config, an unusable checkpoint, tokenizer or workdir."""
-  # local: keep flag parsing light
-  from diffgemma.io import hf_weights, safetensors_dir, tokenizer
-  from diffgemma.model.kernels import platform
-  from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
-
-  return (UserError, errors.InputError, errors.ConfigError,
-          checkpointing.CheckpointError, hf_weights.WeightMappingError,
-          safetensors_dir.CheckpointFormatError, tokenizer.TokenizerError,
-          workdir_lock.WorkdirLockError, resume_config.ResumeConfigError,
-          guard.RunFailure, platform.KernelPlatformError)
+  """The exceptions `run` reports as one `error:` line with exit status 2: every module's error
+  class derives from `errors.UserError` (bad input, a bad config, an unusable run)."""
+  return (UserError,)
 
 
 def run(main, argv=None, sections: tuple[str, ...] = ()):
-  """Parse flags, run `main(argv)`, and print user errors as one line (exit code 2; a run that
-  stopped on purpose, e.g. on a non-finite loss: 3). `sections`: config sections the command
-  takes as `--SECTION.KEY=VALUE` (e.g. eval.py's "sampler"; see `section_overrides`)."""
+  """Parse flags (answering --help and --helpfull), run `main(argv)`, and print user errors
+  (`errors.UserError`) as one line (exit code 2; a run that stopped on purpose, e.g. on a
+  non-finite loss: 3). `sections`: config sections the command takes as `--SECTION.KEY=VALUE`
+  (e.g. eval.py's "sampler"; see `section_overrides`)."""
   from diffgemma.runs import distributed  # local: keep flag parsing light
 
   argv = parse_flags_or_fail(list(sys.argv if argv is None else argv), sections)
   quiet_library_logs()
-  user_errors = user_error_types()
   try:
     try:
       main(argv)
     except Exception as e:
-      if distributed.is_multi_process() and not isinstance(e, (*user_errors, errors.RunStopped)):
+      if distributed.is_multi_process() and not isinstance(e, (UserError, errors.RunStopped)):
         distributed.wait_for_lost()  # a peer gone mid-collective: the watchdog names it
       raise
-  except user_errors as e:
+  except UserError as e:
     _quiet_exit()
     fail(errors.one_line(e), on_every_process=errors.raised_on_every_process(e))
   except errors.RunStopped as e:

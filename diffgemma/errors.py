@@ -1,18 +1,34 @@
-"""Error types shared by the command-line tools and the modules below them."""
+"""Error types shared by the command-line tools and the modules below them.
+
+Every error a user can fix is a `UserError` of one of three kinds (`InputError`, `ConfigError`,
+`RunError`); a module's own error class subclasses its kind, so `cli.run` catches `UserError`
+alone and prints its one-line message (exit status 2). `RunStopped` is a run that stopped on
+purpose (exit status 3).
+"""
 
 from __future__ import annotations
 
 
-class InputError(ValueError):
-  """Malformed user input (a data file, a puzzle, a prompt): printed as one line, no traceback.
+class UserError(Exception):
+  """A problem the user can fix: printed as one line, no traceback. One-line message."""
+
+
+class InputError(UserError, ValueError):
+  """Malformed or missing user input (a data file, a puzzle, a prompt, a checkpoint or its
+  tokenizer).
 
   Task modules raise subclasses of it, so the command-line layer reports them without knowing
   any task.
   """
 
 
-class ConfigError(ValueError):
-  """A config value that cannot work (checked before anything is written). One-line message."""
+class ConfigError(UserError, ValueError):
+  """A config value or flag that cannot work (checked before anything is written)."""
+
+
+class RunError(UserError, RuntimeError):
+  """A run that cannot go on for a reason outside its input and config: its workdir is held by
+  another trainer, its data pipeline failed mid-run."""
 
 
 class RunStopped(RuntimeError):

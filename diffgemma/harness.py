@@ -244,6 +244,7 @@ class DiffGemmaLM(TemplateLM):
                max_batch_size=None, device=None, **sampler_args):
     super().__init__()
     del max_batch_size, device  # JAX places the work; one batch size
+    from diffgemma import cli
     from diffgemma.runs import loaded
     from diffgemma.sampling import sampler
 
@@ -261,7 +262,8 @@ class DiffGemmaLM(TemplateLM):
           f"unknown --model_args key {unknown[0]!r}; choose one of {RUN_ARGS} or a sampler "
           f"field {tuple(sorted(fields))}")
     try:
-      overrides = sampler.parse_overrides({k: _override_text(v) for k, v in sampler_args.items()})
+      overrides = cli.typed_overrides({k: _override_text(v) for k, v in sampler_args.items()},
+                                      sampler.SamplerConfig, "sampler")
     except ValueError as e:
       raise errors.ConfigError(str(e).replace("--sampler.", "--model_args ")) from None
     if quantize not in (None, "int8", "int4"):
@@ -562,7 +564,7 @@ class DiffGemmaLM(TemplateLM):
 
 def _override_text(value) -> str:
   """A --model_args value (lm-eval has typed it: 0.2, True, None) back to the text
-  `sampler.parse_overrides` reads; a tuple field's ids may be separated by ';' or spaces (','
+  `cli.typed_overrides` reads; a tuple field's ids may be separated by ';' or spaces (','
   separates the arguments)."""
   if isinstance(value, bool):
     return str(value).lower()

@@ -30,15 +30,11 @@ Reads LoRA runs with their adapters merged, as eval.py does.
 """
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
+import numpy as np
 
-from absl import app, flags  # noqa: E402
-import numpy as np  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 FLAGS = flags.FLAGS
 

@@ -13,13 +13,10 @@ TensorBoard events in WORKDIR/tensorboard (diffgemma/tools/compare.py).
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import flags  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 _OUT = flags.DEFINE_string("out", None, "Write the plots to this PNG file.")
 
@@ -34,10 +31,7 @@ def main(argv):
     raise cli.UserError(f"--out={_OUT.value!r}: its directory does not exist")
   from diffgemma.tools import compare
 
-  try:
-    runs = compare.load_runs(workdirs)
-  except compare.NotARunError as e:
-    raise cli.UserError(str(e)) from None
+  runs = compare.load_runs(workdirs)  # a directory that is not a run: one line (cli.run)
   print(compare.format_table(runs))
   if _OUT.value:
     width, height = compare.plot(runs, _OUT.value)

@@ -13,13 +13,10 @@ complete, so a failed conversion leaves nothing behind. Tokenizer files travel a
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import flags  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 _FROM = flags.DEFINE_string("from", None, "Source: transformers checkpoint dir (DiffusionGemma or "
                             "Gemma 4), orbax model dir, or training workdir.")

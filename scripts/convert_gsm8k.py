@@ -16,14 +16,11 @@ seeded --test_size problems of --train are held out; the order of the input is k
 import json
 import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
+import numpy as np
 
-from absl import flags  # noqa: E402
-import numpy as np  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 FLAGS = flags.FLAGS
 

@@ -15,14 +15,11 @@ so that --metric=choice reads the label from the strict marker. The test split i
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
+import numpy as np
 
-from absl import flags  # noqa: E402
-import numpy as np  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 INSTRUCTION = ("Answer with a short explanation, then end with \"The answer is yes.\", "
                "\"The answer is no.\" or \"The answer is maybe.\"")

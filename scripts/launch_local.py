@@ -32,6 +32,8 @@ import time
 
 from absl import flags
 
+from diffgemma import cli
+
 # Its own flag set: the scripts it starts define flags of the same names (--num_processes).
 FLAGS = flags.FlagValues()
 _NUM = flags.DEFINE_integer("num_processes", 2, "Processes to start.", lower_bound=1,
@@ -135,6 +137,10 @@ def launch(command: list[str], count: int, devices: int = 1, platform: str = "cp
 def main(argv: list[str]) -> int:
   ours, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (
       argv, [])
+  help_wanted = cli.help_requested(ours)
+  if help_wanted:
+    print(cli.command_help(help_wanted == "full", FLAGS))
+    return 0
   try:
     FLAGS(ours)
   except flags.Error as e:

@@ -17,9 +17,9 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from diffgemma import cli
 
 _PLATFORMS = flags.DEFINE_list("platforms", ["cuda", "tpu"], "Platforms to lower for.")
 _GROUPS = flags.DEFINE_list("groups", ["kernels", "model", "train_step"], "Program groups.")
@@ -81,4 +81,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -27,14 +27,11 @@ Each line is a pure function of (task, seed, line number); a fresh seed gives a 
 import json
 import os
 import string
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
+import numpy as np
 
-from absl import flags  # noqa: E402
-import numpy as np  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 TASKS = ("count", "sort", "infill_count")
 COUNT_START = (1, 500)  # A, inclusive

@@ -11,15 +11,12 @@ format, for eval.py:
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from absl import flags
 
-import numpy as np  # noqa: E402
-from absl import flags  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
-from diffgemma.tasks import sudoku_puzzles as sudoku  # noqa: E402
+from diffgemma import cli
+from diffgemma.tasks import sudoku_puzzles as sudoku
 
 _OUT = flags.DEFINE_string("out", None, "Output CSV path.")
 _NUM = flags.DEFINE_integer("num", 300, "Number of puzzles.")

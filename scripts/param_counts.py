@@ -7,14 +7,10 @@ all attention, dense-MLP, router and norm weights, and top_k of num_experts expe
 The decoder-only self-conditioning block is listed separately and not in the totals.
 """
 
-import os
-import sys
+from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
-
-from diffgemma.model import config, network  # noqa: E402
+from diffgemma import cli
+from diffgemma.model import config, network
 
 _PRESET = flags.DEFINE_enum("preset", "gemma_26b_a4b", sorted(config.PRESETS), "Model preset.")
 
@@ -30,4 +26,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

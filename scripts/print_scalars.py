@@ -8,13 +8,10 @@ chat run's accuracy and canvases per reply, both runs' TPF and steps per canvas)
 
 import glob
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import flags  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory.")
 _TAGS = flags.DEFINE_list("tags", [], "Scalar tags to print (default: every eval/ tag).")

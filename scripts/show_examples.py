@@ -17,12 +17,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
+from ml_collections import config_flags
 
-from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/NAME.py, or just NAME.")
 _DATA = flags.DEFINE_string("data", None, "JSONL data file to show.")

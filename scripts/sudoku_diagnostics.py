@@ -19,14 +19,11 @@ LoRA runs are read with their adapters merged, as eval.py reads them.
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
+import numpy as np
 
-from absl import flags  # noqa: E402
-import numpy as np  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 FLAGS = flags.FLAGS
 

@@ -14,13 +14,10 @@ results to the table (stored in WORKDIR/eval/NAME.json; not rerun for the same c
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags, logging
 
-from absl import flags, logging  # noqa: E402
-
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/NAME.py, or just NAME.")
 _ROOT = flags.DEFINE_string("root", None, "Directory holding one workdir per point.")
@@ -61,7 +58,7 @@ def main(argv):
   if _EVAL_DATA.value:  # a bad file fails now, before anything trains
     make_task(points[0].config, training=False).load_eval_file(_EVAL_DATA.value,
                                                                _EVAL_LIMIT.value)
-  sets = [sweep.parse_assignment(s, "set") for s in _SET.value]
+  sets = [cli.parse_assignment(s, "set") for s in _SET.value]
   counts = {s: sum(p.status == s for p in points) for s in
             (sweep.FINISHED, sweep.RESUME, sweep.NEW, sweep.RUNNING)}
   print(f"sweep: {len(points)} points under {_ROOT.value}: {counts[sweep.FINISHED]} finished, "

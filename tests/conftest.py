@@ -32,6 +32,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+# The scripts and benchmarks the tests start import the installed package (no sys.path edits);
+# this tree comes first for them, so they run the code under test whether or not it is
+# installed, and an install of another checkout cannot shadow it.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+
 # XLA:CPU's fusion emitters compile these tiny programs about twice as slowly as its elemental
 # emitters (measured on the tiny train step: 4.5 s against 2.3 s, benchmarks/RESULTS.md), and
 # a suite of subprocess trainings is mostly compiles. Set only where the installed jaxlib

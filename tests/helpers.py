@@ -3,10 +3,12 @@ scripts, tiny configs, saved tiny runs, test tokenizers and chat data files, and
 `run_tool_cases`, which runs many command lines of the tools in one process.
 """
 
+import glob
 import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,6 +21,61 @@ def run(*args, cwd=ROOT, env=None):
   env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
   return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
                         env=env, timeout=300)
+
+
+def entry_points() -> list[str]:
+  """Every command of the repository (relative paths): the Python files with a `__main__` block
+  at the root, in scripts/ and in benchmarks/."""
+  found = []
+  for pattern in ("*.py", "scripts/*.py", "benchmarks/*.py"):
+    for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+      with open(path, encoding="utf-8") as f:
+        if re.search(r"^if __name__ == .__main__.:", f.read(), re.M):
+          found.append(os.path.relpath(path, ROOT))
+  return found
+
+
+# Runs each command of a JSON list of argv (stdin) in this one process, as `python SCRIPT ARGS`
+# would (its folder first on sys.path, its own flags only), and prints one JSON object:
+# {index: [exit code, stdout, stderr]}.
+_IN_ONE_PROCESS = """
+import contextlib, io, json, os, runpy, sys, traceback
+from absl import flags
+
+results = {}
+for i, argv in enumerate(json.load(sys.stdin)):
+  for module, defined in list(flags.FLAGS.flags_by_module_dict().items()):
+    if not module.startswith("absl."):  # a command's flags, defined when it is run
+      for name in [flag.name for flag in defined]:
+        if name in flags.FLAGS:
+          delattr(flags.FLAGS, name)
+  flags.FLAGS.unparse_flags()
+  folder = os.path.dirname(os.path.abspath(argv[0]))
+  sys.argv, out, err, code = list(argv), io.StringIO(), io.StringIO(), 0
+  sys.path.insert(0, folder)
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+      code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+      traceback.print_exc()
+      code = 1
+  sys.path.remove(folder)
+  results[i] = [code, out.getvalue(), err.getvalue()]
+sys.stdout.write(json.dumps(results))
+"""
+
+
+def run_in_one_process(argvs: list[list[str]]) -> list[tuple[int, str, str]]:
+  """(exit code, stdout, stderr) of each command line [SCRIPT, ARG, ...], all run one after
+  another in one Python process (each `python SCRIPT` would import jax again)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-c", _IN_ONE_PROCESS], input=json.dumps(argvs), cwd=ROOT,
+                     capture_output=True, text=True, env=env, timeout=600)
+  assert r.returncode == 0, r.stderr
+  results = json.loads(r.stdout)
+  return [tuple(results[str(i)]) for i in range(len(argvs))]
 
 
 def one_line_error(result, *needles):

@@ -1,15 +1,50 @@
-"""The command-line contract: bad input ends with a one-line error naming the problem."""
+"""The command-line contract: bad input ends with a one-line error naming the problem, and
+every command answers --help."""
 
 import os
+import re
+import subprocess
 
-
+from configs import sft_sudoku
+from diffgemma.runs import resume_config
 from diffgemma.tasks import sudoku_puzzles as sudoku
-from tests.helpers import run, one_line_error
+from tests.helpers import entry_points, run, run_in_one_process, one_line_error
 
 
+def defined_flag_names(script: str) -> list[str]:
+  """The flags a command's file defines (DEFINE_*("NAME", ...)), read from its source."""
+  with open(script, encoding="utf-8") as f:
+    return re.findall(r"DEFINE_\w+\(\s*[\"'](\w+)[\"']", f.read())
 
 
-
+def test_every_command_answers_help(tmp_path):
+  """--help (and --helpfull) on every entry point: exit status 0, the command's own flags with
+  their help; train.py --config=NAME --help also lists the recipe's resolved keys and values.
+  All in one process (a process per command would import jax 30 times)."""
+  commands = entry_points()
+  assert {"train.py", "eval.py", "sample.py", "scripts/sweep.py",
+          "benchmarks/step_ab.py"} <= set(commands)
+  argvs = [[c, "--help"] for c in commands] + [
+      ["train.py", "--helpfull"],
+      ["train.py", "--config=sft_sudoku", "--config.optimizer.lr=0.25", "--help"]]
+  bad = [["train.py", "--config=sft_sudoku", "--config.optimizer.lrr=1", "--help"],
+         ["eval.py", f"--workdir={tmp_path}", "--data=x.csv", "--sweep",
+          "sampler.entropy_bound=0.1,0.2"]]  # renamed: one line naming the new flag
+  results = run_in_one_process(argvs + bad)
+  for argv, (code, out, err) in zip(argvs, results):
+    assert code == 0, f"{argv}: exit {code}\n{err[-2000:]}"
+    for name in defined_flag_names(argv[0]):
+      assert re.search(rf"--(\[no\])?{name}\b", out), f"{argv}: --{name} missing"
+  short, full = results[commands.index("train.py")][1], results[len(argvs) - 2][1]
+  for text in (short, full):  # diffgemma's flags in both, absl's in --helpfull only
+    assert "--[no]distributed" in text and ("--flagfile" in text) == (text is full)
+  expected = sft_sudoku.get_config()
+  expected.optimizer.lr = 0.25
+  listed = dict(re.findall(r"^  ([\w.]+) = (.*)$", results[len(argvs) - 1][1], re.M))
+  flat = resume_config.flatten(expected.to_dict())
+  assert listed == {key: repr(value) for key, value in flat.items()}
+  for (code, _, err), needle in zip(results[len(argvs):], ["optimizer.lrr", "--scan"]):
+    one_line_error(subprocess.CompletedProcess([], code, "", err), needle)
 
 
 def test_unknown_config_key(tmp_path):

@@ -104,20 +104,20 @@ def test_split_section_overrides():
 
 
 def test_sampler_overrides_are_typed_by_their_field():
-  parsed = sampler.parse_overrides({"entropy_bound": "0.3", "max_denoising_steps": "7",
-                                    "fused_step": "true", "mode": "ar",
-                                    "stop_token_ids": "4,9"})
+  parsed = cli.typed_overrides({"entropy_bound": "0.3", "max_denoising_steps": "7",
+                                "fused_step": "true", "mode": "ar", "stop_token_ids": "4,9"},
+                               sampler.SamplerConfig, "sampler")
   assert parsed == {"entropy_bound": 0.3, "max_denoising_steps": 7, "fused_step": True,
                     "mode": "ar", "stop_token_ids": (4, 9)}
   assert type(parsed["entropy_bound"]) is float and type(parsed["max_denoising_steps"]) is int
   cfg = sampler.SamplerConfig().replace(**parsed)
   assert dataclasses.asdict(cfg)["entropy_bound"] == 0.3
   with pytest.raises(ValueError, match="unknown sampler key 'entropy'"):
-    sampler.parse_overrides({"entropy": "1"})
+    cli.typed_overrides({"entropy": "1"}, sampler.SamplerConfig, "sampler")
   with pytest.raises(ValueError, match="--sampler.max_denoising_steps='many' is not a int"):
-    sampler.parse_overrides({"max_denoising_steps": "many"})
+    cli.typed_overrides({"max_denoising_steps": "many"}, sampler.SamplerConfig, "sampler")
   with pytest.raises(ValueError, match="not a bool"):
-    sampler.parse_overrides({"fused_step": "yes please"})
+    cli.typed_overrides({"fused_step": "yes please"}, sampler.SamplerConfig, "sampler")
 
 
 def heldout_run(name, result):

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 import jax
 import numpy as np
 
+from diffgemma import errors
 from diffgemma.model.config import FULL, SLIDING, ModelConfig
 
 ENCODER = "model.encoder.language_model."
@@ -42,7 +43,7 @@ _LAYER_NORMS = {
 }
 
 
-class WeightMappingError(KeyError):
+class WeightMappingError(errors.InputError, KeyError):
   """A tensor is missing, unexpected or has the wrong shape. One-line message."""
 
   def __str__(self):

@@ -16,6 +16,8 @@ from typing import Callable, Iterable, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
+from diffgemma import errors
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size
@@ -32,7 +34,7 @@ _DTYPES = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-class CheckpointFormatError(FileNotFoundError):
+class CheckpointFormatError(errors.InputError, FileNotFoundError):
   """A checkpoint directory or file is missing, truncated or malformed. One-line message."""
 
   def __str__(self):

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
+from diffgemma import errors
 from diffgemma.runs import distributed
 
 DAMAGED_DIR = "damaged_checkpoints"
@@ -39,7 +40,7 @@ CONFIG_FILE = "config.json"
 ERROR_TEXT_CHARS = 160
 
 
-class CheckpointError(FileNotFoundError):
+class CheckpointError(errors.InputError, FileNotFoundError):
   """No usable checkpoint where one was expected. One-line message."""
 
   def __str__(self):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from diffgemma import errors
 from diffgemma.runs import checkpointing
 
 
-class RunFailure(RuntimeError):
+class RunFailure(errors.RunError):
   """The run stopped on an error outside the training step. One-line message.
 
   With a workdir, the message ends with where a rerun resumes, worked out when the message is

@@ -31,6 +31,8 @@ from typing import Any, Collection
 
 import ml_collections
 
+from diffgemma import errors
+
 HISTORY_FILE = "config_history.json"
 
 # fnmatch patterns of dotted config keys that may change on resume.
@@ -50,7 +52,7 @@ SAFE_KEYS = (
 TRAINER_KEYS = ("init_from",)
 
 
-class ResumeConfigError(ValueError):
+class ResumeConfigError(errors.ConfigError):
   """The requested config changes keys that cannot change on resume. One-line message."""
 
 

@@ -32,7 +32,7 @@ from diffgemma.runs import distributed
 LOCK_FILE = ".lock"
 
 
-class WorkdirLockError(RuntimeError):
+class WorkdirLockError(errors.RunError):
   """The workdir's lock cannot be taken. One-line message."""
 
   def __str__(self):

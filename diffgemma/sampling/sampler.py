@@ -134,29 +134,6 @@ class SamplerConfig:
         self.stop_token_ids + tuple(int(i) for i in stop_token_ids))))
 
 
-def parse_overrides(raw: dict[str, str]) -> dict[str, Any]:
-  """{field: value} from command-line strings (`--sampler.KEY=VALUE`), each typed as its
-  SamplerConfig field's default; ValueError (one line) for an unknown key or a bad value."""
-  defaults = {f.name: f.default for f in dataclasses.fields(SamplerConfig)}
-  out = {}
-  for key, text in raw.items():
-    if key not in defaults:
-      raise ValueError(f"unknown sampler key {key!r}; choose one of {tuple(defaults)}")
-    default = defaults[key]
-    try:
-      if isinstance(default, bool):
-        if text.lower() not in ("true", "false", "1", "0"):
-          raise ValueError
-        out[key] = text.lower() in ("true", "1")
-      elif isinstance(default, tuple):
-        out[key] = tuple(int(t) for t in text.split(",") if t.strip())
-      else:
-        out[key] = type(default)(text)
-    except ValueError:
-      raise ValueError(f"--sampler.{key}={text!r} is not a {type(default).__name__}") from None
-  return out
-
-
 def num_canvases(model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> int:
   """K = ceil(max_new_tokens / C): the reference always fills whole canvases."""
   return math.ceil(sampler_cfg.max_new_tokens / model_cfg.canvas_length)

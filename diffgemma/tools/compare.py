@@ -10,7 +10,7 @@ an interruption and the resume does not count. Held-out results that `scripts/sw
 
   load_run(workdir) -> Run        format_table(runs) -> str        plot(runs, path)
 
-Sampler sweeps of one checkpoint (eval.py --sweep) use the same table and plot style:
+Sampler scans of one checkpoint (eval.py --scan) use the same table and plot style:
 
   sweep_table(points, metric) -> (header, rows)        plot_sweep(points, metric, path)
 """
@@ -24,6 +24,8 @@ import os
 from typing import NamedTuple
 
 import numpy as np
+
+from diffgemma import errors
 
 # Eval scalars shown when a run has them (Sudoku: puzzle / blank-cell accuracy; text tasks:
 # accuracy).
@@ -45,7 +47,7 @@ LEGACY_HEADLINES = ("puzzle_accuracy", "accuracy")
 PANEL_W_IN, PANEL_H_IN, DPI = 4.0, 3.0, 100
 
 
-class NotARunError(ValueError):
+class NotARunError(errors.InputError):
   """A directory that is not a training run. One-line message."""
 
 

@@ -41,33 +41,6 @@ _INTERRUPT_GRACE_S = 60
 FINISHED, RESUME, NEW, RUNNING = "finished", "resume", "new", "running"
 
 
-def parse_assignment(text: str, flag: str) -> tuple[str, str]:
-  """"KEY=VALUE" -> (KEY, VALUE); UserError when it is not of that form."""
-  key, sep, value = text.partition("=")
-  key = key.strip().removeprefix("config.")
-  if not sep or not key or not value:
-    raise cli.UserError(f"--{flag} {text!r}: expected KEY=VALUE"
-                        + ("S (comma-separated)" if flag == "grid" else ""))
-  return key, value
-
-
-def parse_grids(specs: list[str]) -> list[tuple[str, list[str]]]:
-  """["KEY=V1,V2", ...] -> [(KEY, [V1, V2]), ...], in the given order."""
-  grids = []
-  for spec in specs:
-    key, values = parse_assignment(spec, "grid")
-    values = [v.strip() for v in values.split(",")]
-    if any(not v for v in values):
-      raise cli.UserError(f"--grid {spec!r}: empty value in the list")
-    if len(set(values)) != len(values):
-      raise cli.UserError(f"--grid {spec!r}: a value appears twice")
-    if key in (k for k, _ in grids):
-      raise cli.UserError(f"--grid: key {key!r} is given twice; list all its values in one "
-                          "--grid")
-    grids.append((key, values))
-  return grids
-
-
 def point_name(assignments: list[tuple[str, str]]) -> str:
   """The workdir name of a grid point: "k1=v1,k2=v2" (a '/' in a value becomes '_')."""
   return ",".join(f"{k}={v.replace(os.sep, '_')}" for k, v in assignments)
@@ -145,10 +118,10 @@ def point_status(point: Point) -> str:
 def plan(config_path: str, root: str, grid_specs: list[str], set_specs: list[str],
          init_from: str | None = None) -> list[Point]:
   """Parse, validate and classify every point; raises UserError before anything runs."""
-  grids = parse_grids(grid_specs)
+  grids = cli.parse_value_lists(grid_specs, "grid")
   if not grids:
     raise cli.UserError("give at least one --grid KEY=V1,V2,...")
-  sets = [parse_assignment(s, "set") for s in set_specs]
+  sets = [cli.parse_assignment(s, "set") for s in set_specs]
   for key, _ in sets:
     if key in dict(grids):
       raise cli.UserError(f"key {key!r} is in both --grid and --set")

@@ -26,6 +26,8 @@ import jax.extend.core
 from jax.experimental import pallas as pl
 from jax.interpreters import mlir
 
+from diffgemma import errors
+
 try:
   _ShapedArray = jax.core.ShapedArray
 except AttributeError:  # newer jax keeps it only internally
@@ -38,7 +40,7 @@ _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("diffgemma_
                                                                      default=None)
 
 
-class KernelPlatformError(ValueError):
+class KernelPlatformError(errors.ConfigError):
   """A Pallas kernel selected for a platform it does not run on (a one-line config error)."""
 
 
