@@ -20,9 +20,8 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from diffgemma import cli  # noqa: E402
-from diffgemma.runs import run_config, training_state, loaded
 from diffgemma.sampling import sampler
-from diffgemma.training import update_step
+from diffgemma.training import loaded, run_config, training_state, update_step
 from diffgemma.training.stages import sft
 from diffgemma.tasks import make_task  # noqa: E402
 

@@ -498,7 +498,8 @@ def chat_cases() -> list[Case]:
 
 
 def _finite_checkpoints_only(workdir: str) -> str | None:
-  from diffgemma.runs import checkpointing, loaded
+  from diffgemma.runs import checkpointing
+  from diffgemma.training import loaded
 
   if not checkpointing.steps_on_disk(workdir):
     return None

@@ -87,9 +87,8 @@ def sharded_sft_losses(fsdp, tensor, steps=5):
   import jax
   import numpy as np
   from diffgemma.model import sharding
-  from diffgemma.runs import training_state
   from diffgemma.tasks import make_task
-  from diffgemma.training import update_step
+  from diffgemma.training import training_state, update_step
   from diffgemma.training.stages import sft
 
   config = tiny_sudoku_config(workdir_steps=steps)
@@ -122,7 +121,8 @@ def save_sft_run(sft, workdir):
   """
   import jax
   from diffgemma.model import network
-  from diffgemma.runs import checkpointing, training_state
+  from diffgemma.runs import checkpointing
+  from diffgemma.training import training_state
 
   setup = setup_of(sft)
   params = network.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
@@ -135,8 +135,7 @@ def save_sft_run(sft, workdir):
 def setup_of(config, mesh=None):
   """The run's `Setup` as train.py's entry point builds it: the ConfigDict typed once
   (`run_config.build`, with the stage's section), then the setup."""
-  from diffgemma.runs import run_config, training_state
-  from diffgemma.training import stages
+  from diffgemma.training import run_config, stages, training_state
 
   return training_state.make_setup(run_config.build(config, **stages.stage_settings(config)),
                                    mesh)

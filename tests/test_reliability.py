@@ -23,9 +23,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from diffgemma.runs import checkpointing, resume_config, guard, training_state, workdir_lock
+from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
 from diffgemma.tasks import sudoku_puzzles as sudoku
-from diffgemma.training import loop
+from diffgemma.training import loop, training_state
 from tests.helpers import ROOT, one_line_error, run
 from tests.helpers import tiny_sudoku_config
 

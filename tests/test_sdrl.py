@@ -12,12 +12,18 @@ import pytest
 from configs import sdrl_sudoku
 from diffgemma.io import model_dirs
 from diffgemma.model import lora, network
-from diffgemma.runs import checkpointing, provenance, run_config, training_state
+from diffgemma.runs import checkpointing, provenance
 from diffgemma.sampling import sampler
-from diffgemma.tasks import make_task
-from diffgemma.tasks import sudoku as data
-from diffgemma.tasks import sudoku_puzzles as sudoku
-from diffgemma.training import diffusion, losses, rewards, loop, update_step
+from diffgemma.tasks import make_task, sudoku as data, sudoku_puzzles as sudoku
+from diffgemma.training import (
+  diffusion,
+  loop,
+  losses,
+  rewards,
+  run_config,
+  training_state,
+  update_step,
+)
 from diffgemma.training.stages import sdrl
 from tests.helpers import save_sft_run, setup_of, tiny_configs
 
@@ -496,8 +502,7 @@ import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
-from diffgemma.runs import training_state
-from diffgemma.training import loop
+from diffgemma.training import loop, training_state
 from tests.helpers import save_sft_run, tiny_configs
 
 root = sys.argv[1]

@@ -86,6 +86,15 @@ class LoraConfig:
     return self.alpha / self.rank
 
 
+def run_lora_config(section: dict | None, freeze_router: bool = False) -> LoraConfig:
+  """A run's LoRA settings from its config's `lora` section (disabled when there is none: runs
+  written before LoRA existed); a run that freezes the router gives it no adapter."""
+  cfg = LoraConfig(**(section or {}))
+  if cfg.enabled and freeze_router:
+    cfg = dataclasses.replace(cfg, targets=tuple(t for t in cfg.targets if t != ROUTER_PATTERN))
+  return cfg
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoraWeight:

@@ -26,14 +26,12 @@ from diffgemma.runs import (
   preemption as preemption_lib,
   provenance,
   resume_config,
-  run_config,
-  training_state,
   workdir_lock,
 )
-from diffgemma.sampling import evaluation, sampler
+from diffgemma.sampling import sampler
 from diffgemma.tasks import make_task, task_name, tokenization_keys
 from diffgemma.tasks.base import Task
-from diffgemma.training import stages, update_step
+from diffgemma.training import evaluation, run_config, stages, training_state, update_step
 
 
 class NonFiniteError(errors.RunStopped):

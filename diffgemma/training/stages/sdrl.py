@@ -40,10 +40,10 @@ import numpy as np
 
 from diffgemma.model import network, sharding
 from diffgemma.model.config import ModelConfig
-from diffgemma.runs import distributed, guard, training_state
+from diffgemma.runs import distributed, guard
 from diffgemma.sampling import sampler
 from diffgemma.tasks.base import Prompts, RlTask
-from diffgemma.training import diffusion, losses, rewards
+from diffgemma.training import diffusion, losses, rewards, training_state
 
 MODES = ("both", "distill", "rl")
 STATE_SELECTIONS = ("uniform", "first_k", "last_k", "all")

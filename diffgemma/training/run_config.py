@@ -1,7 +1,7 @@
 """A run's ConfigDict as one typed, frozen `RunConfig`, and the checks before anything is written.
 
 The entry points (train.py through `training.loop.prepare_config`, `--dry_run`, eval.py and
-sample.py through `runs.loaded`) call `build` once; everything below them takes the typed
+sample.py through `training.loaded`) call `build` once; everything below them takes the typed
 sections it needs: the model (`ModelConfig`), the objective (`LossConfig`), the evaluation
 sampler, the optimizer, LoRA, QLoRA's quantization, sharding, the loop's knobs (`TrainConfig`),
 the periodic evaluation (`EvalConfig`) and the stage's own typed section. The task's sections
@@ -18,9 +18,8 @@ import ml_collections
 
 from diffgemma.model import lora, quantize, sharding
 from diffgemma.model.config import ModelConfig
-from diffgemma.runs import validation
 from diffgemma.sampling import sampler
-from diffgemma.training import losses, optimizer
+from diffgemma.training import losses, optimizer, validation
 
 NONFINITE_POLICIES = ("stop", "skip")
 # Loss keys of configs written before `encoder_scope` existed.
@@ -159,14 +158,8 @@ def _loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
 
 
 def _lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig:
-  """The run's LoRA settings (disabled for configs written before LoRA existed)."""
-  if "lora" not in config:
-    return lora.LoraConfig()
-  cfg = lora.LoraConfig(**config.lora.to_dict())
-  if cfg.enabled and config.get("freeze_router", False):
-    cfg = dataclasses.replace(
-        cfg, targets=tuple(t for t in cfg.targets if t != lora.ROUTER_PATTERN))
-  return cfg
+  section = config.lora.to_dict() if "lora" in config else None
+  return lora.run_lora_config(section, config.get("freeze_router", False))
 
 
 def _quantize_config(config: ml_collections.ConfigDict,
