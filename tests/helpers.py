@@ -73,10 +73,10 @@ def tiny_configs():
   config.optimizer.warmup_steps = 1
   config.sdrl.update({"group_size": 2, "prompts_per_rollout": 2, "updates_per_rollout": 2,
                       "states_per_trajectory": 2, "anchor": "none"})
-  config.sdrl.reward.partial_credit = "cells"
+  config.rl.reward.partial_credit = "cells"
   # Stop on a stable argmax alone (threshold above log V), so rows stop at different steps.
   config.sdrl.rollout_sampler.update({"max_denoising_steps": 4, "confidence_threshold": 100.0})
-  config.sdrl.prompts.update({"min_givens": 44, "max_givens": 46})
+  config.rl.prompts.update({"min_givens": 44, "max_givens": 46})
   return sft, config
 
 

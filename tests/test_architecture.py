@@ -160,7 +160,7 @@ CONFIG_DICT_READERS = {
     "diffgemma.training.memory_plan", "diffgemma.training.run_config",
     "diffgemma.training.stages", "diffgemma.training.stages.base",
     "diffgemma.training.stages.sdrl", "diffgemma.training.stages.sft",
-    "diffgemma.training.training_state", "diffgemma.training.validation",
+    "diffgemma.training.training_state",
 }
 
 

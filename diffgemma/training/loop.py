@@ -254,7 +254,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
       print(f"initialising from {init_from}")
     state, frozen = training_state.new_state(setup)
     checkpointing.save_config(workdir, config)
-  provenance.record_start(workdir, start_step)  # run_info.json: this invocation's provenance
+  # run_info.json: this invocation's provenance, and the task's main metric (tools/compare.py)
+  provenance.record_start(workdir, start_step, headline_metric=task.headline_metric)
   # After the restore: a checkpoint moved aside is not one of the manager's steps.
   mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints)
   model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg
