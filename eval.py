@@ -18,7 +18,7 @@ prediction is written as one JSON line to DIR/predictions/<file>-step<N>.jsonl (
 sampler (diffgemma.sampling.sampler.SamplerConfig). The last line printed is one JSON object of
 metrics; its "headline_metric" names the task's main one, and it carries the latency
 (cold_seconds: the first call, compilation included; warm_seconds: a later call's mean;
-seconds_per_canvas; tokens_per_second_warm; sampling/evaluation.latency_metrics) and the device
+seconds_per_canvas; tokens_per_second_warm; training/evaluation.latency_metrics) and the device
 (kind, jax version, CPU and accelerator model).
 
 `--scan sampler.KEY=V1,V2,...` (repeatable) evaluates every value of each scanned key, one key
@@ -105,8 +105,9 @@ def main(argv):
     raise cli.UserError(f"--data file {_DATA.value!r} not found")
   distributed.initialize_from_flags()  # every process evaluates every example; 0 writes
   distributed.check_same_run({}, {"argv": distributed.shared_argv()})
-  from diffgemma.runs import loaded, provenance
-  from diffgemma.sampling import evaluation, sampler
+  from diffgemma.runs import provenance
+  from diffgemma.sampling import sampler
+  from diffgemma.training import evaluation, loaded
 
   sampler_overrides = cli.section_overrides("sampler", sampler.SamplerConfig)
   overrides = dict(sampler_overrides)
@@ -188,7 +189,7 @@ def run_scan(run, prompts, batch: int, points, sampler_overrides: dict, device: 
   """Evaluate every scan point on the same prompts and seed; write and print the table, the
   plot and the points' metrics."""
   from diffgemma.runs import provenance
-  from diffgemma.sampling import evaluation
+  from diffgemma.training import evaluation
   from diffgemma.tools import compare
 
   results = []

@@ -271,7 +271,8 @@ def sample_run():
   import jax
   import numpy as np
 
-  from diffgemma.runs import loaded, provenance
+  from diffgemma.runs import provenance
+  from diffgemma.training import loaded
   from diffgemma.sampling import sampler
 
   run = loaded.open_run(_WORKDIR.value, **{**_sampler_overrides(), "record_trajectory": True})

@@ -48,9 +48,9 @@ from absl import flags
 import kernels as kernel_bench  # benchmarks/kernels.py, beside this script
 from diffgemma import cli
 from diffgemma.model import network, quantize
-from diffgemma.runs import provenance, run_config, training_state
+from diffgemma.runs import provenance
 from diffgemma.sampling import sampler
-from diffgemma.training import update_step
+from diffgemma.training import run_config, training_state, update_step
 from diffgemma.training.stages import sft
 from diffgemma.tasks import make_task
 from diffgemma.model.config import FULL, SLIDING, ModelConfig, gemma_26b_a4b
@@ -293,7 +293,7 @@ def section_generate(suite: Suite, cfg: ModelConfig, shapes: dict, params, prefi
       tokens = int(out["num_tokens"][0])
       decode_s = seconds - prefill_s.get(on, 0.0)
       step_ms = decode_s / passes * 1e3
-      # The latency fields of eval.py's JSON (sampling/evaluation.latency_metrics), batch 1.
+      # The latency fields of eval.py's JSON (training/evaluation.latency_metrics), batch 1.
       return {"ms": seconds * 1e3, "cold_seconds": cold_s, "warm_seconds": seconds,
               "seconds_per_canvas": seconds / canvases,
               "tokens_per_second_warm": tokens / seconds, "note": (

@@ -63,7 +63,7 @@ def main(argv):
   sets["Gaussian [2816, 1408] x 4"] = {f"layers.{i}.mlp.gate": rng.normal(0, 0.02, (2816, 1408))
                                        .astype(np.float32) for i in range(4)}
   if _WORKDIR.value:
-    from diffgemma.runs import loaded
+    from diffgemma.training import loaded
 
     run = loaded.load_run(_WORKDIR.value)
     leaves = jax.tree_util.tree_flatten_with_path(run.params)[0]

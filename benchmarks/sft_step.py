@@ -10,9 +10,8 @@ import tempfile
 
 def build_step(config, steps: int):
   """(jitted update step, initial state, `steps` batches) of an SFT config."""
-  from diffgemma.runs import run_config, training_state
   from diffgemma.tasks import make_task
-  from diffgemma.training import update_step
+  from diffgemma.training import run_config, training_state, update_step
   from diffgemma.training.stages import sft
 
   setup = training_state.make_setup(run_config.build(config))

@@ -18,9 +18,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from diffgemma import cli
-from diffgemma.runs import run_config, training_state, loaded
 from diffgemma.sampling import sampler
-from diffgemma.training import update_step
+from diffgemma.training import loaded, run_config, training_state, update_step
 from diffgemma.training.stages import sft
 from diffgemma.tasks import make_task
 

@@ -1,5 +1,6 @@
 """The base every recipe derives from: run bookkeeping, a small DiffusionGemma, the objective,
-the optimizer, LoRA (off), sharding and the sampler, each section with its defaults.
+the optimizer, LoRA (off), sharding and the sampler, each section built from its dataclass, so
+every field of every section is a key a recipe or the command line can set.
 
 A recipe (configs/sft_sudoku.py, configs/sft_chat.py, ...) calls `get_config()` and sets what its
 task needs: the task and data sections, the model's vocabulary and positions, the objective's
@@ -13,6 +14,14 @@ import ml_collections
 from diffgemma.model.config import ModelConfig
 from diffgemma.model.lora import LoraConfig
 from diffgemma.model.sharding import ShardingConfig
+from diffgemma.sampling.sampler import SamplerConfig
+from diffgemma.training.losses import LossConfig
+from diffgemma.training.optimizer import OptimizerConfig
+
+
+def section(typed) -> ml_collections.ConfigDict:
+  """A config section holding every field of the typed section `typed` (a dataclass)."""
+  return ml_collections.ConfigDict(dataclasses.asdict(typed))
 
 
 def small_model(**fields) -> ml_collections.ConfigDict:
@@ -26,7 +35,7 @@ def small_model(**fields) -> ml_collections.ConfigDict:
       qk_norm_init=32 ** -0.25,
       sliding_window=1024, num_experts=8, top_k_experts=2, moe_intermediate_size=128,
       param_dtype="float32", compute_dtype="float32", moe_impl="tiled", moe_tile_size=128)
-  return ml_collections.ConfigDict(dataclasses.asdict(ModelConfig(**{**base, **fields})))
+  return section(ModelConfig(**{**base, **fields}))
 
 
 def get_config():
@@ -47,37 +56,25 @@ def get_config():
 
   c.model = small_model()
 
-  # Objective (diffgemma.training.losses.LossConfig; the layout P, K, C comes from the task).
-  # normalization: each loss term's batch mean, "token" (every scored token alike; NeMo
-  # AutoModel's) or "example" (each example's token mean, then the mean over examples).
-  # t_distribution: "uniform" t ~ U(t_eps, 1) or "sqrt" (more t near 1); fill_noise: the EOS fill
-  # after a reply corrupted "as_reply" or "always"; end_weight: the CE weight of each reply's end
-  # token (a chat reply's end-of-turn) against 1 for the rest (LossConfig's docstring).
-  c.loss = ml_collections.ConfigDict(dict(
-      encoder_weight=0.0, decoder_weight=1.0, noise_schedule="linear", t_eps=1e-3,
-      self_conditioning_prob=0.5, decoder_weighting="flat", normalization="token",
-      t_distribution="uniform", fill_noise="as_reply", end_weight=1.0))
+  # Objective (diffgemma.training.losses.LossConfig, whose docstring explains each key; the
+  # layout P, K, C comes from the task): the decoder's denoising CE alone by default.
+  c.loss = section(LossConfig(encoder_weight=0.0))
 
   c.grad_accum_steps = 1  # split each batch into this many micro-batches (same result, less memory)
   c.freeze_router = False  # NeMo's SFT default is True: no router updates (LoRA: no router adapter)
 
   # LoRA (diffgemma.model.lora.LoraConfig): off here; see configs/sft_sudoku_lora*.py.
-  c.lora = ml_collections.ConfigDict(dataclasses.asdict(LoraConfig()))
+  c.lora = section(LoraConfig())
 
   # Device mesh and logical axis rules (diffgemma.model.sharding.ShardingConfig): fsdp=-1 spreads
   # the batch and the weights over all local devices (one CPU: nothing to split).
-  c.sharding = ml_collections.ConfigDict(dataclasses.asdict(ShardingConfig()))
+  c.sharding = section(ShardingConfig())
 
-  c.optimizer = ml_collections.ConfigDict(dict(
-      lr=3e-3, warmup_steps=50, schedule="cosine", end_lr_fraction=0.05, weight_decay=0.01,
-      b1=0.9, b2=0.99, grad_clip=1.0,
-      # "adamw" | "adafactor" (factored second moments); moments stored in "float32" | "bfloat16".
-      name="adamw", state_dtype="float32"))
+  # AdamW with a cosine schedule (diffgemma.training.optimizer.OptimizerConfig); name "adafactor"
+  # factors the second moments, state_dtype "bfloat16" halves the moments' memory.
+  c.optimizer = section(OptimizerConfig())
 
   # Sampler (report Table 2 defaults; diffgemma.sampling.sampler.SamplerConfig); a recipe sets
   # max_new_tokens to its reply budget.
-  c.sampler = ml_collections.ConfigDict(dict(
-      max_denoising_steps=48, entropy_bound=0.1, t_max=0.8, t_min=0.4,
-      confidence_threshold=0.005, stability_threshold=1, max_new_tokens=256, mode="diffusion",
-      fused_step=False, top_k=0))
+  c.sampler = section(SamplerConfig())
   return c

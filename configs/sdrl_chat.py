@@ -1,14 +1,14 @@
 """SD·RL on a chat task after SFT (docs/design.md, "SD·RL"; diffgemma/training/stages/sdrl.py).
 
   python train.py --config=sdrl_chat --workdir=runs/count_sdrl --init_from=runs/count \
-      --config.data.train=/tmp/count.jsonl [--config.sdrl.reward_fn=my_module:my_reward]
+      --config.data.train=/tmp/count.jsonl [--config.rl.reward_fn=my_module:my_reward]
 
 Rollout prompts are the training file's conversations (each example's history), G replies
-each; the reward is graded by default (`sdrl.reward.name="prefix"`: the share of the reference
+each; the reward is graded by default (`rl.reward="prefix"`: the share of the reference
 the reply gets right from its start, charged for every character past the reference's end; see
 diffgemma/tasks/text_metrics.py), so that a group whose replies are all wrong still ranks them.
 It can be the task's answer metric against the data's reply ("exact", "choice", "gsm8k",
-"regex": 1 or 0), or a function of yours named by `sdrl.reward_fn`
+"regex": 1 or 0), or a function of yours named by `rl.reward_fn`
 ("package.module:function", called as function(prompt, reply, reference) -> float in [0, 1];
 prompt: the last user turn's text, reply: the generated text up to its first stop token,
 reference: the data's reply; importable from PYTHONPATH). The model, objective, data, sampler and
@@ -47,15 +47,18 @@ def get_config(variant: str = "count"):
       "anchor": "sft",  # "none" | "kl" | "sft" (the SFT loss on the training data)
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,
-      "reward": {
-          # "prefix" (graded) | a metric: "exact" | "choice" | "gsm8k" | "regex" (1 or 0)
-          "name": "prefix",
+      "shaping": {
           "step_penalty": 0.0,  # x steps per canvas / max denoising steps
           "length_penalty": 0.0,  # x generated tokens / max_new_tokens
       },
-      "reward_fn": "",  # "package.module:function" replaces the metric
       # Sampler during rollouts (trajectories are always recorded); evaluation uses c.sampler.
       "rollout_sampler": c.sampler.to_dict(),
+  })
+  # The task's own section for an RL stage: rollouts are the training data's prompts.
+  c.rl = ml_collections.ConfigDict({
+      # "prefix" (graded) | a metric: "exact" | "choice" | "gsm8k" | "regex" (1 or 0)
+      "reward": "prefix",
+      "reward_fn": "",  # "package.module:function" replaces the metric
   })
   # Rollouts stop at 16 steps per canvas, with the evaluation sampler's temperatures on those
   # steps (the schedule is linear in the step; see configs/sdrl_sudoku.py).

@@ -50,17 +50,22 @@ def get_config():
       "anchor": "sft",
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,
+      "shaping": {
+          "step_penalty": 0.0,  # x steps per canvas / max denoising steps
+          "length_penalty": 0.0,  # x generated tokens / max_new_tokens
+      },
+      # Sampler during rollouts (trajectories are always recorded); evaluation uses c.sampler.
+      "rollout_sampler": c.sampler.to_dict(),
+  })
+  # The task's own section for an RL stage: what to roll out and how to score it.
+  c.rl = ml_collections.ConfigDict({
       "reward": {
           "name": "sudoku",  # the task's verifier (Sudoku: valid, complete, keeps the givens)
           "partial_credit": "none",  # "none" | "cells" | "constraints"
           "partial_weight": 0.5,
-          "step_penalty": 0.0,  # x steps per canvas / max denoising steps
-          "length_penalty": 0.0,  # x generated tokens / max_new_tokens
       },
       # Rollout prompts: generated puzzles (seed differs from SFT data and held-out sets).
       "prompts": {"seed": 7, "min_givens": 28, "max_givens": 46},
-      # Sampler during rollouts (trajectories are always recorded); evaluation uses c.sampler.
-      "rollout_sampler": c.sampler.to_dict(),
   })
   # Rollouts stop at 16 steps with the evaluation sampler's temperatures on those steps
   # (t_n = t_min + (t_max - t_min) * n / N is linear in the step: t_min' = t_max - (t_max -

@@ -32,6 +32,7 @@ def get_config():
 
   c.stage = "sdrl"
   c.sdrl = rl.sdrl
+  c.rl = rl.rl  # the task's rollout prompts and reward
   c.sdrl.update({"group_size": 4, "prompts_per_rollout": 2, "states_per_trajectory": 4,
                  "anchor_batch_size": 8})
   c.grad_accum_steps = 8  # divides the 8 rollout rows and the 8 anchor rows

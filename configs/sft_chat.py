@@ -43,9 +43,9 @@ are described in diffgemma/tasks/chat_data.py):
   eval.stop_check_step, eval.stop_overrun_warning   from that step on (0 = off), the periodic
                        eval warns in one line when at least that share of the held-out replies
                        hold the whole reference and go on past it (the stop is not learned).
-SD·RL (a `sdrl` section): sdrl.reward is one of the metric names or the graded "prefix"
-(configs/sdrl_chat.py's default; diffgemma/tasks/text_metrics.py), or
-sdrl.reward_fn = "package.module:function", called as function(prompt, reply, reference) ->
+An RL stage (configs/sdrl_chat.py): the task's section `rl`; rl.reward is one of the metric
+names or the graded "prefix" (configs/sdrl_chat.py's default; diffgemma/tasks/text_metrics.py),
+or rl.reward_fn = "package.module:function", called as function(prompt, reply, reference) ->
 float in [0, 1] (prompt: the last user turn's text; reply: the generated text up to its first
 stop token; reference: the data's reply).
 """

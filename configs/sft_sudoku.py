@@ -22,7 +22,6 @@ def get_config():
       sliding_rope_theta=314.6, canvas_length=81)
 
   # Objective: the decoder's denoising loss alone (prompt_len comes from the task).
-  c.loss.encoder_loss_on_prompt = False
   # Noise levels t = sqrt(u): more training near pure noise, where the sampler's first steps
   # place most cells (benchmarks/RESULTS.md, 2026-12-06: the seed sweep against "uniform").
   c.loss.t_distribution = "sqrt"

@@ -245,7 +245,7 @@ class DiffGemmaLM(TemplateLM):
     super().__init__()
     del max_batch_size, device  # JAX places the work; one batch size
     from diffgemma import cli
-    from diffgemma.runs import loaded
+    from diffgemma.training import loaded
     from diffgemma.sampling import sampler
 
     if workdir and init_from:
@@ -491,7 +491,7 @@ class DiffGemmaLM(TemplateLM):
     return max(p, min(bucket(longest), self._max_length - self.reply_slots))
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    from diffgemma.sampling import evaluation
+    from diffgemma.training import evaluation
     from diffgemma.tasks import chat_data
     from diffgemma.tasks.base import Prompts
 

@@ -152,7 +152,7 @@ def make_encoder_probe(model_cfg, layout, stop_ids):
 def diagnose(workdir: str, data: str, num: int, levels, seed: int = 0) -> dict:
   import jax
 
-  from diffgemma.runs import loaded
+  from diffgemma.training import loaded
 
   run = loaded.load_run(workdir)
   if run.task.name != "chat":

@@ -77,7 +77,7 @@ def open_sudoku_run(workdir: str):
   """The run's config, task and sampler settings (`runs.Run`, no weights read yet); a one-line
   error unless it is a Sudoku run whose one canvas holds the grid (the probe pairs canvas
   cell i with prompt cell i)."""
-  from diffgemma.runs import loaded
+  from diffgemma.training import loaded
   from diffgemma.tasks import sudoku
 
   run = loaded.open_run(workdir)
@@ -161,7 +161,8 @@ def diagnose(run, steps, num_puzzles: int, seed: int, levels, sampler_puzzles: i
   import jax
 
   from diffgemma.io import model_dirs
-  from diffgemma.sampling import evaluation, sampler
+  from diffgemma.sampling import sampler
+  from diffgemma.training import evaluation
 
   prompts, clean_NxC, given_NxC = held_out_set(run, num_puzzles, seed)
   noise_schedule = run.run_cfg.loss.noise_schedule

@@ -128,10 +128,10 @@ def tiny_configs():
   config.optimizer.warmup_steps = 1
   config.sdrl.update({"group_size": 2, "prompts_per_rollout": 2, "updates_per_rollout": 2,
                       "states_per_trajectory": 2, "anchor": "none"})
-  config.sdrl.reward.partial_credit = "cells"
+  config.rl.reward.partial_credit = "cells"
   # Stop on a stable argmax alone (threshold above log V), so rows stop at different steps.
   config.sdrl.rollout_sampler.update({"max_denoising_steps": 4, "confidence_threshold": 100.0})
-  config.sdrl.prompts.update({"min_givens": 44, "max_givens": 46})
+  config.rl.prompts.update({"min_givens": 44, "max_givens": 46})
   return sft, config
 
 
@@ -142,9 +142,8 @@ def sharded_sft_losses(fsdp, tensor, steps=5):
   import jax
   import numpy as np
   from diffgemma.model import sharding
-  from diffgemma.runs import training_state
   from diffgemma.tasks import make_task
-  from diffgemma.training import update_step
+  from diffgemma.training import training_state, update_step
   from diffgemma.training.stages import sft
 
   config = tiny_sudoku_config(workdir_steps=steps)
@@ -177,7 +176,8 @@ def save_sft_run(sft, workdir):
   """
   import jax
   from diffgemma.model import network
-  from diffgemma.runs import checkpointing, training_state
+  from diffgemma.runs import checkpointing
+  from diffgemma.training import training_state
 
   setup = setup_of(sft)
   params = network.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
@@ -190,8 +190,7 @@ def save_sft_run(sft, workdir):
 def setup_of(config, mesh=None):
   """The run's `Setup` as train.py's entry point builds it: the ConfigDict typed once
   (`run_config.build`, with the stage's section), then the setup."""
-  from diffgemma.runs import run_config, training_state
-  from diffgemma.training import stages
+  from diffgemma.training import run_config, stages, training_state
 
   return training_state.make_setup(run_config.build(config, **stages.stage_settings(config)),
                                    mesh)

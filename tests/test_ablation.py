@@ -1,6 +1,7 @@
 """Ablation tools: sweep.py over real train.py runs, compare_runs.py's table and plot, denoising
 traces against the sampler's own step counts, TensorBoard images and text, run provenance."""
 
+import dataclasses
 import html.parser
 import json
 import os
@@ -14,6 +15,7 @@ from PIL import Image
 from diffgemma.io import tb_writer
 from diffgemma.runs import provenance
 from diffgemma.sampling import traces
+from diffgemma.tools import compare
 from diffgemma.tasks import sudoku_puzzles as sudoku
 from diffgemma.tasks import sudoku_traces
 
@@ -356,6 +358,24 @@ def test_periodic_eval_traces_reach_tensorboard(sampled, tmp_path):
   assert int(width) == max(m.shape[1] for m in montages)
   text = tensor_util.make_ndarray(acc.Tensors("trace/text")[0].tensor_proto).item().decode()
   assert text.count("| canvas 1 step") == min(4, out["canvas_steps"][1, 0])
+
+
+def test_compare_plots_each_run_against_its_recorded_headline_metric(tmp_path):
+  """The quality axis is the metric the run's task names (run_info.json's headline_metric,
+  written by the loop), not a fixed list; a run that recorded none falls back to the old tags."""
+  workdir = str(tmp_path / "run")
+  provenance.record_start(workdir, 0, headline_metric="exact_match")
+  assert provenance.load_run_info(workdir)["headline_metric"] == "exact_match"
+  steps = np.arange(3)
+  series = lambda: compare.Series(steps, steps * 0.1, steps * 1.0)
+  tags = {"loss": series(), "eval/accuracy": series(), "eval/exact_match": series(),
+          "eval/tokens_per_forward": series()}
+  mine = compare.Run(workdir, {}, tags, 1.0, {}, headline="exact_match")
+  assert compare.plotted_metrics([mine]) == (
+      ["loss", "eval/exact_match", "eval/accuracy", "eval/tokens_per_forward"],
+      "eval/exact_match")
+  older = dataclasses.replace(mine, headline=None)
+  assert compare.plotted_metrics([older])[1] == "eval/accuracy"
 
 
 def test_provenance_records_invocations(tmp_path, monkeypatch):

@@ -111,7 +111,7 @@ def test_fallback_config_checks():
 def test_ar_on_a_run_that_never_trained_the_encoder_head_warns(tmp_path):
   """eval.py and sample.py print one warning line when AR decoding (or AR fallback) would read
   an encoder next-token head the run never trained; a trained head or plain diffusion: none."""
-  from diffgemma.runs import loaded
+  from diffgemma.training import loaded
   from tests.helpers import save_sft_run, tiny_sudoku_config
 
   config = tiny_sudoku_config()

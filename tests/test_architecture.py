@@ -1,5 +1,6 @@
-"""The package's shape, checked on the source tree: import layers (as docs/design.md lists them,
-so no import circle can form) and the task boundary (no generic module imports a task)."""
+"""The package's shape, checked on the source tree: import layers, of subpackages (`LAYERS`) and
+of modules (as docs/design.md lists them), so no import circle can form; and the task boundary
+(no generic module imports a task)."""
 
 import ast
 import os
@@ -10,6 +11,16 @@ PACKAGE = "diffgemma"
 TASK_PACKAGE = "diffgemma.tasks"
 # The task interface and the registry are what generic code may import from the tasks package.
 TASK_INTERFACE = {"diffgemma.tasks", "diffgemma.tasks.base"}
+
+# The package's subpackages and top-level modules, bottom to top: each imports only those before
+# it. errors: one-line error types; model: the network and its configs; runs: a run's directory
+# (checkpoints, config.json, resume rules, lock, preemption, provenance, many processes); io:
+# model checkpoint directories, tokenizers, TensorBoard; sampling: the sampler and traces; tasks:
+# what the tokens mean; training: the typed run config, training state, losses, loop, stages,
+# evaluation and loaded runs; cli: flags and the one catch of errors; tools: sweeps, comparison,
+# lowering; harness: the lm-evaluation-harness model.
+LAYERS = ("errors", "model", "runs", "io", "sampling", "tasks", "training", "cli", "tools",
+          "harness")
 
 
 def module_name(path: str) -> str:
@@ -45,11 +56,51 @@ def imported_modules(path: str, known: set[str]) -> set[str]:
   return out
 
 
-def design_layers() -> dict[str, int]:
-  """{module: layer} from the table in docs/design.md."""
+def design_rows() -> list[tuple[str, int]]:
+  """(module, layer) of each row of the table in docs/design.md, in the table's order."""
   text = open(os.path.join(ROOT, "docs", "design.md"), encoding="utf-8").read()
   rows = re.findall(r"^\| `(diffgemma/[\w/]+)\.py` \| (\d+) \|", text, re.M)
-  return {module_name(os.path.join(ROOT, path + ".py")): int(layer) for path, layer in rows}
+  return [(module_name(os.path.join(ROOT, path + ".py")), int(layer)) for path, layer in rows]
+
+
+def design_layers() -> dict[str, int]:
+  """{module: layer} from the table in docs/design.md."""
+  return dict(design_rows())
+
+
+def subpackage(module: str) -> str | None:
+  """The entry of LAYERS a module belongs to (None for the package's own __init__)."""
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else None
+
+
+def test_layers_name_every_subpackage_once():
+  found = {subpackage(m) for m in package_modules()} - {None}
+  assert len(set(LAYERS)) == len(LAYERS) and set(LAYERS) == found, (
+      f"LAYERS misses {sorted(found - set(LAYERS))}, names unknown {sorted(set(LAYERS) - found)}")
+
+
+def test_subpackages_import_only_lower_subpackages():
+  """No arrow between subpackages runs back up LAYERS (modules may import within their own)."""
+  modules = package_modules()
+  rank = {name: i for i, name in enumerate(LAYERS)}
+  bad = []
+  for name, path in sorted(modules.items()):
+    for target in sorted(imported_modules(path, set(modules))):
+      here, there = subpackage(name), subpackage(target)
+      if there is None or here == there:
+        continue
+      if rank[there] > rank[here]:
+        bad.append(f"{name} imports {target}: {there} sits above {here} in LAYERS {LAYERS}")
+  assert not bad, "\n".join(bad)
+
+
+def test_design_table_is_sorted_by_subpackage_then_layer():
+  rank = {name: i for i, name in enumerate(LAYERS)}
+  rows = design_rows()
+  key = lambda row: (rank.get(subpackage(row[0]), -1), row[1], row[0])
+  assert rows == sorted(rows, key=key), (
+      "docs/design.md's module table is not in LAYERS order, then by layer, then by name")
 
 
 def test_design_lists_every_module_once():
@@ -99,17 +150,17 @@ def test_no_generic_module_imports_a_task_module():
 
 
 # Where a raw ml_collections ConfigDict may be read: the entry points and the one conversion
-# (`runs.run_config.build`), the steps before it (resume reconciliation, architecture adoption,
-# validation, config.json), the stage and task registries and the tasks, which type their own
-# sections. Everything else receives the typed, frozen `RunConfig` or its sections.
+# (`training.run_config.build`), the steps before it (resume reconciliation, architecture
+# adoption, validation, config.json), the stage and task registries and the tasks, which type
+# their own sections. Everything else receives the typed, frozen `RunConfig` or its sections.
 CONFIG_DICT_READERS = {
-    "diffgemma.cli", "diffgemma.runs.checkpointing", "diffgemma.runs.loaded",
-    "diffgemma.runs.resume_config", "diffgemma.runs.run_config", "diffgemma.runs.training_state",
-    "diffgemma.runs.validation", "diffgemma.tasks", "diffgemma.tasks.chat",
-    "diffgemma.tasks.sudoku", "diffgemma.tools.lowering", "diffgemma.training.loop",
-    "diffgemma.training.memory_plan", "diffgemma.training.stages",
-    "diffgemma.training.stages.base", "diffgemma.training.stages.sdrl",
-    "diffgemma.training.stages.sft",
+    "diffgemma.cli", "diffgemma.runs.checkpointing", "diffgemma.runs.resume_config",
+    "diffgemma.tasks", "diffgemma.tasks.chat", "diffgemma.tasks.sudoku",
+    "diffgemma.tools.lowering", "diffgemma.training.loaded", "diffgemma.training.loop",
+    "diffgemma.training.memory_plan", "diffgemma.training.run_config",
+    "diffgemma.training.stages", "diffgemma.training.stages.base",
+    "diffgemma.training.stages.sdrl", "diffgemma.training.stages.sft",
+    "diffgemma.training.training_state",
 }
 
 

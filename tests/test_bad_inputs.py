@@ -503,7 +503,7 @@ SAMPLER_KEYS = st.sampled_from(sorted(f.name for f in dataclasses.fields(
 def sampler_outcome(workdir: str, raw: dict):
   """What eval.py and sample.py do with `--sampler.KEY=VALUE`: typed by the SamplerConfig
   field, then applied to the run's sampler (checked) as the run opens."""
-  from diffgemma.runs import loaded
+  from diffgemma.training import loaded
 
   try:
     overrides = sampler.parse_overrides(raw)

@@ -437,7 +437,7 @@ def test_reply_stops_at_first_stop_id_and_drops_pads(tmp_path):
 def test_rollouts_and_rewards(tmp_path, monkeypatch):
   path = write_jsonl(tmp_path / "d.jsonl", [chat(f"q{i}", f"a{i}") for i in range(6)])
   c = make_config(path, prompt_len=32, num_canvases=2)
-  c.sdrl = {"reward": "exact"}
+  c.rl = {"reward": "exact"}
   task = make_task(c)
   first = task.rollout_prompts(0, 4)
   assert len(first) == 4
@@ -457,7 +457,7 @@ def test_rollouts_and_rewards(tmp_path, monkeypatch):
       "def length(prompt, reply, reference):\n"
       "  return (len(reply) - 2 + (prompt == 'q1')) / 2\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  c.sdrl = {"reward_fn": "my_rewards:length"}
+  c.rl = {"reward_fn": "my_rewards:length"}
   task = make_task(c)
   prompts = task.rollout_prompts(0, 3)
   rows = np.stack([reply_row(task, text) for text in ("a", "abc", "abcdef")])
@@ -469,16 +469,16 @@ def test_rollouts_and_rewards(tmp_path, monkeypatch):
   for spec, needle in (("my_rewards", "package.module:function"),
                        ("nope_module:f", "cannot import nope_module"),
                        ("my_rewards:missing", "no function 'missing'")):
-    c.sdrl = {"reward_fn": spec}
+    c.rl = {"reward_fn": spec}
     with pytest.raises(ValueError, match=needle):
       make_task(c)
-  c.sdrl = {"reward": "bleu"}
-  with pytest.raises(ValueError, match="sdrl.reward"):
+  c.rl = {"reward": "bleu"}
+  with pytest.raises(ValueError, match="rl.reward"):
     make_task(c)
 
 
 def test_the_graded_prefix_reward_ranks_wrong_replies(tmp_path):
-  """sdrl.reward="prefix": shared leading characters over the longer text, counted by hand; a
+  """rl.reward="prefix": shared leading characters over the longer text, counted by hand; a
   group whose replies are all wrong still gets a spread (an exact reward would give 0 to all)."""
   reference = "5 6 7 8 9 10"  # 12 characters
   cases = {

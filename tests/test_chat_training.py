@@ -85,7 +85,7 @@ def test_fine_tune_a_transformers_checkpoint_on_chat_jsonl_then_eval_and_sdrl(tm
   sdrl_dir = str(tmp_path / "sdrl")
   r = run("train.py", "--config=sdrl_chat", f"--workdir={sdrl_dir}", f"--init_from={workdir}",
           f"--config.data.train={data}", "--config.data.tokenizer=",
-          "--config.sdrl.reward_fn=my_reward:reply_length", "--config.sdrl.group_size=2",
+          "--config.rl.reward_fn=my_reward:reply_length", "--config.sdrl.group_size=2",
           "--config.sdrl.prompts_per_rollout=2", *STEPS, *SMALL_SAMPLER,
           "--config.sdrl.rollout_sampler.max_denoising_steps=3",
           "--config.sdrl.rollout_sampler.max_new_tokens=16",

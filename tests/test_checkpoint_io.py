@@ -243,8 +243,8 @@ def test_failed_or_refused_writes_leave_nothing(saved_reference, tmp_path, monke
 
 
 def test_convert_cli_and_init_from_a_converted_run(trained_run, tmp_path):
-  from diffgemma.runs import checkpointing, training_state, loaded, run_config
-  from diffgemma.training import loop
+  from diffgemma.runs import checkpointing
+  from diffgemma.training import loaded, loop, run_config, training_state
   from tests.helpers import one_line_error, run
   from tests.helpers import tiny_sudoku_config
 
@@ -322,7 +322,7 @@ def _record_restored_leaves(monkeypatch) -> list[str]:
 
 
 def test_eval_of_a_full_fine_tuning_workdir_reads_no_optimizer_state(trained_run, monkeypatch):
-  from diffgemma.runs import training_state, loaded
+  from diffgemma.training import training_state, loaded
 
   workdir = trained_run
   read = _record_restored_leaves(monkeypatch)

@@ -11,9 +11,8 @@ sys.path.insert(0, os.getcwd())
 import jax, jax.numpy as jnp, numpy as np
 from diffgemma.model import lora, network, sharding
 from diffgemma.model.config import tiny
-from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
-from diffgemma.training import update_step
+from diffgemma.training import training_state, update_step
 from diffgemma.training.stages import sft
 from tests.helpers import setup_of, tiny_sudoku_config
 

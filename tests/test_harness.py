@@ -20,8 +20,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from diffgemma import errors, harness  # noqa: E402
 from diffgemma.model import network  # noqa: E402
-from diffgemma.runs import loaded  # noqa: E402
-from diffgemma.sampling import evaluation, sampler  # noqa: E402
+from diffgemma.sampling import sampler  # noqa: E402
+from diffgemma.training import evaluation, loaded  # noqa: E402
 from tests.helpers import (byte_ids, chat, run, save_sft_run, tiny_chat_config,  # noqa: E402
                            write_jsonl)
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from diffgemma.model.config import ModelConfig
-from diffgemma.sampling import evaluation, sampler
+from diffgemma.sampling import sampler
+from diffgemma.training import evaluation
 from diffgemma.tasks import chat, chat_data
 from tests.helpers import (byte_ids, infill_chat, load_script, save_sft_run, tiny_chat_config,
                            write_jsonl)
@@ -140,7 +141,7 @@ def test_infill_data_needs_its_slots_and_diffusion(tmp_path):
 
 
 def test_untrained_run_on_infill_data_keeps_the_given_tokens(tmp_path):
-  from diffgemma.runs import loaded
+  from diffgemma.training import loaded
 
   data = str(tmp_path / "infill.jsonl")
   script.write_task("infill_count", 6, 3, data)

@@ -9,7 +9,8 @@ import pytest
 
 from diffgemma.model import config, network
 from diffgemma.runs import provenance
-from diffgemma.sampling import evaluation, sampler
+from diffgemma.sampling import sampler
+from diffgemma.training import evaluation
 from diffgemma.tasks.base import Prompts
 
 P = 3

@@ -11,8 +11,8 @@ import pytest
 from diffgemma.io import model_dirs
 from diffgemma.model import lora, network, sharding
 from diffgemma.model.config import tiny
-from diffgemma.runs import checkpointing, training_state
-from diffgemma.training import loop
+from diffgemma.runs import checkpointing
+from diffgemma.training import loop, training_state
 from tests.helpers import run
 from tests.helpers import tiny_sudoku_config
 
@@ -180,7 +180,7 @@ def test_lora_run_exports_base_plus_scaled_adapters_and_transformers_agrees(base
   import torch
   from transformers import DiffusionGemmaForBlockDiffusion
 
-  from diffgemma.runs import loaded
+  from diffgemma.training import loaded
   from tests import reference
 
   config = _lora_config(2)  # two steps: the first has learning rate 0 (warmup), B moves after

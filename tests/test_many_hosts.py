@@ -20,7 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from diffgemma.runs import checkpointing, training_state
+from diffgemma.runs import checkpointing
+from diffgemma.training import training_state
 from tests.helpers import ROOT, load_script
 
 STEPS, EVERY = 8, 2

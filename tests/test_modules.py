@@ -113,7 +113,7 @@ def test_apply_methods_are_the_entry_points():
 
 
 def test_a_run_written_before_the_modules_restores_with_its_logits(tmp_path):
-  from diffgemma.runs import training_state
+  from diffgemma.training import training_state
   workdir = str(tmp_path / "run")
   shutil.copytree(FIXTURE, workdir)
   _, setup, state, _, step = training_state.restore_run(workdir)

@@ -51,9 +51,8 @@ from nemo_automodel.recipes.dllm.strategy import BlockDiffusionStrategy
 
 from diffgemma.io import hf_weights
 from diffgemma.model import network
-from diffgemma.runs import run_config
 from diffgemma.tasks import chat
-from diffgemma.training import losses
+from diffgemma.training import losses, run_config
 from tests.helpers import chat as chat_record
 from tests.helpers import make_config, write_jsonl
 

@@ -8,8 +8,8 @@ import chex
 import jax
 import numpy as np
 
-from diffgemma.runs import checkpointing, training_state
-from diffgemma.training import update_step
+from diffgemma.runs import checkpointing
+from diffgemma.training import training_state, update_step
 from tests.helpers import run
 
 TINY = ["--config=sft_sudoku", "--config.model.vocab_size=16", "--config.model.hidden_size=16",

@@ -35,8 +35,7 @@ diff = reference.max_logit_diff(ref, cfg, params)
 assert diff < 1e-4, diff
 
 # Resume equals the uninterrupted run, on both devices (fsdp=-1); one device agrees.
-from diffgemma.runs import training_state
-from diffgemma.training import loop
+from diffgemma.training import loop, training_state
 from tests.helpers import tiny_sudoku_config
 
 def config(fsdp):

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from configs import sft_sudoku
-from diffgemma.sampling import evaluation, sampler
-from diffgemma.tasks import make_task
-from diffgemma.tasks import sudoku as sudoku_task
+from diffgemma.sampling import sampler
+from diffgemma.training import evaluation
+from diffgemma.tasks import make_task, sudoku as sudoku_task
 from diffgemma.tasks.base import Prompts
 from tests.helpers import make_config
 

@@ -25,9 +25,8 @@ import pytest
 
 from diffgemma.model import lora, network, quantize, sharding
 from diffgemma.model.config import tiny
-from diffgemma.runs import training_state
 from diffgemma.tasks import make_task
-from diffgemma.training import update_step
+from diffgemma.training import training_state, update_step
 from diffgemma.training.stages import sft
 from tests.helpers import setup_of, tiny_sudoku_config
 

@@ -23,9 +23,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from diffgemma.runs import checkpointing, resume_config, guard, training_state, workdir_lock
+from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
 from diffgemma.tasks import sudoku_puzzles as sudoku
-from diffgemma.training import loop
+from diffgemma.training import loop, training_state
 from tests.helpers import ROOT, one_line_error, run
 from tests.helpers import tiny_sudoku_config
 
@@ -371,6 +371,30 @@ def test_resume_records_safe_changes_with_their_step(reference, tmp_path, capsys
   assert saved.log_every == 3 and saved.keep_checkpoints == 5
   loop.train(changed, workdir)  # the same request again changes nothing more
   assert len(resume_config.history(workdir)) == 1
+
+
+def test_a_run_saved_in_the_old_loss_layout_resumes_with_the_same_objective():
+  """tests/fixtures/pre_flax_run saved `loss.encoder_loss_on_prompt=False`; it loads as
+  encoder_scope="target", so today's recipe (every LossConfig field, that scope) resumes it,
+  and a request for the other scope is refused as a change of objective."""
+  import dataclasses
+  from diffgemma.training import losses, run_config
+  fixture = os.path.join(ROOT, "tests", "fixtures", "pre_flax_run")
+  raw = json.load(open(os.path.join(fixture, "config.json")))
+  assert raw["loss"]["encoder_loss_on_prompt"] is False and "encoder_scope" not in raw["loss"]
+  saved = checkpointing.load_config(fixture)
+  assert saved.loss.encoder_scope == "target" and "encoder_loss_on_prompt" not in saved.loss
+  assert run_config.build(saved).loss == losses.LossConfig(**saved.loss.to_dict())
+  kept = {k: v for k, v in raw["loss"].items() if k != "encoder_loss_on_prompt"}
+  for scope, refused in (("target", False), ("prompt_and_target", True)):
+    requested = ml_collections.ConfigDict(dict(raw, loss=dataclasses.asdict(
+        losses.LossConfig(**kept, encoder_scope=scope))))
+    if refused:
+      with pytest.raises(resume_config.ResumeConfigError, match="loss.encoder_scope"):
+        resume_config.reconcile(saved, requested)
+    else:
+      _, changes = resume_config.reconcile(saved, requested)
+      assert set(changes) == {"loss.canvas_selection"}  # a key added since: adopted, logged
 
 
 # ----------------------------------------------------------------------------- validation

@@ -6,18 +6,25 @@ import os
 import chex
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
-from configs import sdrl_sudoku
+from configs import sdrl_chat, sdrl_sudoku
 from diffgemma.io import model_dirs
 from diffgemma.model import lora, network
-from diffgemma.runs import checkpointing, provenance, run_config, training_state
+from diffgemma.runs import checkpointing, provenance
 from diffgemma.sampling import sampler
-from diffgemma.tasks import make_task
-from diffgemma.tasks import sudoku as data
-from diffgemma.tasks import sudoku_puzzles as sudoku
-from diffgemma.training import diffusion, losses, rewards, loop, update_step
+from diffgemma.tasks import make_task, sudoku as data, sudoku_puzzles as sudoku
+from diffgemma.training import (
+  diffusion,
+  loop,
+  losses,
+  rewards,
+  run_config,
+  training_state,
+  update_step,
+)
 from diffgemma.training.stages import sdrl
 from tests.helpers import save_sft_run, setup_of, tiny_configs
 
@@ -331,7 +338,7 @@ def test_sudoku_rewards_on_known_grids():
 
   def run(step_penalty=0.0, length_penalty=0.0, **credit):
     config = tiny_configs()[1]
-    config.sdrl.reward.update({"partial_credit": "none", **credit})
+    config.rl.reward.update({"partial_credit": "none", **credit})
     score, correct = make_task(config).reward(prompts, tokens)
     shaping = rewards.ShapingConfig(step_penalty, length_penalty)
     return rewards.shape(shaping, score, correct, np.full(4, 6.0), np.full(4, 81), 48, 81)
@@ -380,9 +387,34 @@ def test_consistent_cells_against_brute_force():
   assert got[0].all() and not got[1:].all()
   tokens = data.solution_tokens(grids)
   config = tiny_configs()[1]
-  config.sdrl.cell_weighting = "consistent"
   prompts = data.puzzle_prompts(puzzles, solutions, "digits")
   np.testing.assert_array_equal(make_task(config).token_weights(prompts, tokens), got)
+
+
+def test_the_task_section_rl_takes_a_metric_name_and_old_layouts_convert():
+  """The stage reads only its own section (sdrl.shaping, not the task's rl.reward, which may be
+  a metric name); a config saved with the task's keys inside `sdrl` loads in today's layout."""
+  config = sdrl_chat.get_config()
+  config.rl.reward = "exact"
+  assert sdrl.settings(config).shaping == rewards.ShapingConfig()
+  old = config.to_dict()
+  del old["rl"], old["sdrl"]["shaping"]
+  old["sdrl"].update(reward="exact", reward_fn="m:f")
+  new = checkpointing.upgrade_layout(old)
+  assert new["rl"] == {"reward": "exact", "reward_fn": "m:f"} and "shaping" not in new["sdrl"]
+  assert sdrl.settings(ml_collections.ConfigDict(new)).shaping == rewards.ShapingConfig()
+  old = sdrl_sudoku.get_config().to_dict()
+  old["sdrl"].update(prompts=old.pop("rl")["prompts"], reward=dict(
+      name="sudoku", partial_credit="cells", partial_weight=0.25, step_penalty=0.5,
+      length_penalty=0.0))
+  del old["sdrl"]["shaping"]
+  new = ml_collections.ConfigDict(checkpointing.upgrade_layout(old))
+  assert sdrl.settings(new).shaping == rewards.ShapingConfig(step_penalty=0.5)
+  assert new.rl.reward.to_dict() == dict(name="sudoku", partial_credit="cells",
+                                         partial_weight=0.25)
+  assert new.rl.prompts.to_dict() == sdrl_sudoku.get_config().rl.prompts.to_dict()
+  with pytest.raises(ValueError, match="unknown key sdrl.reward"):
+    sdrl.settings(ml_collections.ConfigDict(dict(old, sdrl=dict(old["sdrl"], reward="exact"))))
 
 
 def test_bad_config_values_fail_with_one_line():
@@ -397,7 +429,7 @@ def test_bad_config_values_fail_with_one_line():
     with pytest.raises(ValueError, match=words):
       sdrl.settings(bad)
   bad = sdrl_sudoku.get_config()
-  bad.sdrl.reward.partial_credit = "most"
+  bad.rl.reward.partial_credit = "most"
   with pytest.raises(ValueError, match="partial_credit"):
     make_task(bad)
 
@@ -496,8 +528,7 @@ import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
-from diffgemma.runs import training_state
-from diffgemma.training import loop
+from diffgemma.training import loop, training_state
 from tests.helpers import save_sft_run, tiny_configs
 
 root = sys.argv[1]

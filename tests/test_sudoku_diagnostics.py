@@ -9,10 +9,9 @@ import pytest
 from diffgemma import cli
 from diffgemma.io import model_dirs
 from diffgemma.model import attention_probe, network
-from diffgemma.runs import checkpointing, training_state
-from diffgemma.sampling import evaluation
+from diffgemma.runs import checkpointing
 from diffgemma.tasks import sudoku
-from diffgemma.training import diffusion, loop
+from diffgemma.training import diffusion, evaluation, loop, training_state
 from tests.helpers import load_script
 from tests.helpers import setup_of, tiny_sudoku_config
 

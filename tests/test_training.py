@@ -10,10 +10,9 @@ import pytest
 
 from diffgemma.model import network
 from diffgemma.model.config import FULL, SLIDING, tiny
-from diffgemma.runs import provenance, training_state
-from diffgemma.tasks import Layout
-from diffgemma.tasks import sudoku as data
-from diffgemma.training import diffusion, losses, loop
+from diffgemma.runs import provenance
+from diffgemma.tasks import Layout, sudoku as data
+from diffgemma.training import diffusion, loop, losses, training_state
 from tests.helpers import tiny_sudoku_config
 
 # The loss checks need both attention kinds, not depth: one sliding and one full layer compile

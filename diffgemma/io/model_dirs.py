@@ -31,7 +31,7 @@ from diffgemma.io import hf_weights
 from diffgemma.io.safetensors_dir import CheckpointFormatError, SafetensorsDir, write_dir
 from diffgemma.model import lora, network
 from diffgemma.model.config import ModelConfig
-from diffgemma.runs import checkpointing, run_config
+from diffgemma.runs import checkpointing
 
 CONFIG_FILE = "config.json"
 ORBAX_PARAMS_DIR = "params"
@@ -111,7 +111,7 @@ def read_model_config(path: str, dtype: str | None = None, **overrides: Any) -> 
   the parameters' shardings before `load_model` places them)."""
   kind = directory_kind(path)
   if kind == WORKDIR:
-    cfg = run_config.build(checkpointing.load_config(path)).model
+    cfg, _, _ = _workdir_sections(path)
   elif kind == ORBAX:
     cfg = _orbax_model_config(path, _read_json(os.path.join(path, CONFIG_FILE)))
   else:
@@ -125,8 +125,7 @@ def load_workdir(path: str, dtype: str | None = None, shardings=None, step: int 
   reading the parameters alone: never the optimizer state. A LoRA run's adapters come merged
   into its base (the base read from the checkpoint with `lora.save_base`, else from the run's
   init_from), in the base's dtype."""
-  saved = run_config.build(checkpointing.load_config(path))
-  cfg, lora_cfg = saved.model, saved.lora
+  cfg, lora_cfg, init_from = _workdir_sections(path)
 
   def placed(shapes):
     def target(p, leaf):
@@ -156,10 +155,10 @@ def load_workdir(path: str, dtype: str | None = None, shardings=None, step: int 
     restored, step = read(target)
     base = restored.get("base")
     if base is None:
-      if not saved.init_from:
+      if not init_from:
         raise checkpointing.CheckpointError(
             f"LoRA run {path!r} has no saved base and no init_from in its config.json")
-      _, base = load_model(saved.init_from, dtype=lora_cfg.base_dtype)
+      _, base = load_model(init_from, dtype=lora_cfg.base_dtype)
     params = lora.merge(base, restored["params"], lora_cfg)
     params = _place_tree(params, shardings)
   params_dtype = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
@@ -168,6 +167,21 @@ def load_workdir(path: str, dtype: str | None = None, shardings=None, step: int 
     params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
     cfg = cfg.replace(param_dtype=dtype)
   return cfg, params, int(step)
+
+
+def _workdir_sections(path: str) -> tuple[ModelConfig, lora.LoraConfig, str | None]:
+  """A training workdir's model, its LoRA settings and its init_from, from its config.json:
+  the sections that say what its checkpoints hold (the rest of the run's config is the
+  trainer's business)."""
+  saved = checkpointing.load_config(path)
+  try:
+    return (ModelConfig(**saved.model.to_dict()),
+            lora.run_lora_config(saved.lora.to_dict() if "lora" in saved else None,
+                                 saved.get("freeze_router", False)),
+            saved.get("init_from") or None)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    raise checkpointing.CheckpointError(
+        f"{os.path.join(path, CONFIG_FILE)}: bad model or lora section: {e}") from None
 
 
 def _orbax_model_config(path: str, config: dict) -> ModelConfig:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from diffgemma.model import fields
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -21,6 +23,11 @@ ATTENTION_IMPLS = ("xla", "pallas")
 NUMERICS_FIELDS = ("param_dtype", "compute_dtype", "moe_impl", "moe_tile_size", "attention_impl",
                    "remat")
 REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16", "float16")
+POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+    "head_dim", "global_head_dim", "num_global_kv_heads", "sliding_window", "num_experts",
+    "top_k_experts", "moe_intermediate_size", "canvas_length", "moe_tile_size")
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:
@@ -80,6 +87,31 @@ class ModelConfig:
   remat: str = "none"
 
   def __post_init__(self):
+    fields.check_types(self, "model.")
+    for name in POSITIVE_INTS:
+      if getattr(self, name) < 1:
+        raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+      token = getattr(self, name)
+      if not 0 <= token < self.vocab_size:
+        raise ValueError(f"model.{name}={token} is outside the vocabulary "
+                         f"(vocab_size={self.vocab_size})")
+    for name in ("rms_norm_eps", "sliding_rope_theta", "full_rope_theta", "qk_norm_init",
+                 "initializer_range"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+    if self.final_logit_softcap < 0:
+      raise ValueError(f"model.final_logit_softcap must be >= 0, got {self.final_logit_softcap}")
+    if not 0.0 < self.full_rope_partial_factor <= 1.0:
+      raise ValueError("model.full_rope_partial_factor must be in (0, 1], got "
+                       f"{self.full_rope_partial_factor}")
+    for name in ("head_dim", "global_head_dim"):
+      if getattr(self, name) % 2:
+        raise ValueError(f"model.{name}={getattr(self, name)} must be even (rotary embeddings "
+                         "rotate pairs)")
+    for name in ("param_dtype", "compute_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"unknown model.{name} {getattr(self, name)!r}; choose one of {DTYPES}")
     if not self.layer_types:
       object.__setattr__(self, "layer_types", default_layer_types(self.num_layers))
     # A string (--config.model.layer_types=full_attention) would become its characters.
@@ -98,7 +130,8 @@ class ModelConfig:
       if self.num_heads % n_kv:
         raise ValueError(f"num_heads={self.num_heads} is not a multiple of kv heads={n_kv}")
     if self.top_k_experts > self.num_experts:
-      raise ValueError("top_k_experts exceeds num_experts")
+      raise ValueError(f"model.top_k_experts={self.top_k_experts} exceeds "
+                       f"model.num_experts={self.num_experts}")
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"unknown moe_impl {self.moe_impl!r}; choose one of {MOE_IMPLS}")
     if self.remat not in REMAT_POLICIES:

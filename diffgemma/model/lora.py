@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from diffgemma.model import fields
+
 Params = dict[str, Any]
 
 # Per linear weight name: (leading expert axes, input axes); the remaining axes are outputs.
@@ -69,10 +71,13 @@ class LoraConfig:
 
   def __post_init__(self):
     object.__setattr__(self, "targets", tuple(self.targets))
+    fields.check_types(self, "lora.")
     if self.rank < 1:
       raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+    if self.alpha <= 0:
+      raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
     if self.init not in INITS:
       raise ValueError(f"unknown lora.init {self.init!r}; choose one of {INITS}")
     for pattern in self.targets:
@@ -84,6 +89,15 @@ class LoraConfig:
   @property
   def scale(self) -> float:
     return self.alpha / self.rank
+
+
+def run_lora_config(section: dict | None, freeze_router: bool = False) -> LoraConfig:
+  """A run's LoRA settings from its config's `lora` section (disabled when there is none: runs
+  written before LoRA existed); a run that freezes the router gives it no adapter."""
+  cfg = LoraConfig(**(section or {}))
+  if cfg.enabled and freeze_router:
+    cfg = dataclasses.replace(cfg, targets=tuple(t for t in cfg.targets if t != ROUTER_PATTERN))
+  return cfg
 
 
 @jax.tree_util.register_dataclass

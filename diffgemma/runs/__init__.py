@@ -1,1 +1,1 @@
-"""A run on disk: its config and checks, resume, training state, checkpoints, lock, provenance, loading."""
+"""A run's directory: checkpoints and config.json, resume rules, lock, preemption, provenance, many processes."""

@@ -103,16 +103,46 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The run's config.json, in today's layout (`upgrade_layout`)."""
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
     raise CheckpointError(f"no training run in {workdir!r}: {path} not found "
                           "(train first: python train.py --config=sft_sudoku --workdir=DIR)")
   try:
     with open(path) as f:
-      return ml_collections.ConfigDict(json.load(f))
+      return ml_collections.ConfigDict(upgrade_layout(json.load(f)))
   except ValueError as e:
     raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from a copy, or "
                           "start a new --workdir") from None
+
+
+# Keys of `sdrl.reward` that shape the reward for the stage; its other keys are the task's.
+_SHAPING_KEYS = ("step_penalty", "length_penalty")
+
+
+def upgrade_layout(config: dict) -> dict:
+  """A saved config (plain dict, changed in place and returned) with the keys that moved since
+  it was written at their new places, so a run written before still restores and resumes with
+  the same values:
+    * loss.encoder_loss_on_prompt (bool) -> loss.encoder_scope ("prompt_and_target" / "target");
+    * the RL task's section: sdrl.prompts, sdrl.reward_fn and sdrl.reward (its verifier keys,
+      or a metric name) -> rl.prompts, rl.reward_fn, rl.reward; the shaping keys of
+      sdrl.reward -> sdrl.shaping.
+  """
+  loss = config.get("loss")
+  if isinstance(loss, dict) and "encoder_loss_on_prompt" in loss:
+    on_prompt = loss.pop("encoder_loss_on_prompt")
+    loss.setdefault("encoder_scope", "prompt_and_target" if on_prompt else "target")
+  sdrl = config.get("sdrl")
+  if isinstance(sdrl, dict) and not ("rl" in config or "shaping" in sdrl):
+    rl = {k: sdrl.pop(k) for k in ("prompts", "reward_fn") if k in sdrl}
+    reward = sdrl.pop("reward", None)
+    if isinstance(reward, dict):
+      sdrl["shaping"] = {k: reward.pop(k) for k in _SHAPING_KEYS if k in reward}
+    if reward:
+      rl["reward"] = reward
+    config["rl"] = rl
+  return config
 
 
 # ----------------------------------------------------------------------------- steps

@@ -11,6 +11,9 @@ host, devices) and, when the loop ended without an error, the step it ended at a
   "stop_at"            the caller asked it to stop early (a simulated preemption);
   "preempted"          a SIGTERM or Ctrl-C stopped it at a step boundary (with a checkpoint).
 
+It also holds `headline_metric`: the task's main metric (its periodic evaluation logs it as
+`eval/NAME`), which tools/compare.py plots as the quality axis.
+
 A run is *finished* when its last invocation ended for one of the first two reasons
 (`finished`); a sweep skips finished runs and resumes the others (a preempted run among them). Both files are plain JSON,
 readable by a person and by code.
@@ -163,13 +166,16 @@ def _save(workdir: str, info: dict) -> None:
   os.replace(tmp, _path(workdir))
 
 
-def record_start(workdir: str, start_step: int, argv: list[str] | None = None) -> None:
-  """Append this invocation (its `provenance()` and the step it starts from) to run_info.json.
-  Only process 0 of a multi-host run writes."""
+def record_start(workdir: str, start_step: int, argv: list[str] | None = None,
+                 headline_metric: str | None = None) -> None:
+  """Append this invocation (its `provenance()` and the step it starts from) to run_info.json,
+  and set the run's `headline_metric` when given. Only process 0 of a multi-host run writes."""
   if not distributed.primary():
     return
   info = load_run_info(workdir)
   info["invocations"].append({**provenance(argv), "start_step": int(start_step)})
+  if headline_metric:
+    info["headline_metric"] = headline_metric
   _save(workdir, info)
 
 

@@ -1,1 +1,1 @@
-"""Sampling: the block-diffusion sampler, held-out evaluation, denoising traces."""
+"""Sampling: the block-diffusion sampler, denoising traces."""

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma.model import network
+from diffgemma.model import fields, network
 from diffgemma.model.config import ModelConfig
 
 DIFFUSION = "diffusion"
@@ -91,21 +91,23 @@ class SamplerConfig:
   acceptance: str = ACCEPT_ENTROPY
 
   def __post_init__(self):
+    fields.check_types(self, "sampler.")
     if self.mode not in (DIFFUSION, AR):
-      raise ValueError(f"unknown mode {self.mode!r}; choose {DIFFUSION!r} or {AR!r}")
+      raise ValueError(f"unknown sampler.mode {self.mode!r}; choose {DIFFUSION!r} or {AR!r}")
     if self.max_denoising_steps <= 0:
-      raise ValueError("max_denoising_steps must be positive")
+      raise ValueError(f"sampler.max_denoising_steps must be >= 1, got {self.max_denoising_steps}")
     # As the reference: t_n > t_min >= 0 at every step n >= 1, so t_min = 0 is allowed.
     if not 0.0 <= self.t_min < self.t_max:
-      raise ValueError(f"need 0 <= t_min < t_max (got {self.t_min}, {self.t_max})")
-    if self.stability_threshold < 0:
-      raise ValueError("stability_threshold must be >= 0")
+      raise ValueError(f"need 0 <= sampler.t_min < sampler.t_max (got {self.t_min}, "
+                       f"{self.t_max})")
+    for name in ("stability_threshold", "ar_temperature", "entropy_bound",
+                 "confidence_threshold"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"sampler.{name} must be >= 0, got {getattr(self, name)}")
     if self.max_new_tokens <= 0:
-      raise ValueError("max_new_tokens must be positive")
-    if self.ar_temperature < 0:
-      raise ValueError("ar_temperature must be >= 0")
+      raise ValueError(f"sampler.max_new_tokens must be >= 1, got {self.max_new_tokens}")
     if self.top_k < 0:
-      raise ValueError("top_k must be >= 0 (0 = no truncation)")
+      raise ValueError("sampler.top_k must be >= 0 (0 = no truncation)")
     if self.top_k and not self.fused_step:
       raise ValueError("top_k truncation needs fused_step=True")
     if self.ar_fallback not in FALLBACK_RULES:

@@ -1,7 +1,7 @@
 """The chat task: SFT on JSONL conversations, text evaluation, SD·RL prompts and rewards.
 
 Built by `diffgemma.tasks.make_task` when `config.task.name == "chat"`. Every key it reads is
-documented in configs/sft_chat.py (sections data, eval, and sdrl.reward / sdrl.reward_fn).
+documented in configs/sft_chat.py (sections data, eval, and rl.reward / rl.reward_fn).
 `from_config` loads the tokenizer, reads and checks every data file and lays the examples out,
 so a bad line or an overflow under `data.overflow="error"` fails before a run writes anything.
 Data formats, the canvas layout and the overflow policies: diffgemma/tasks/chat_data.py;
@@ -17,7 +17,7 @@ The tokenizer (`data.tokenizer`): a directory holding tokenizer.json or tokenize
 chat template; "bytes" (diffgemma/io/tokenizer.py's byte-level tokenizer); empty = the run's
 `init_from` checkpoint directory.
 
-A user reward function (`sdrl.reward_fn="package.module:function"`) is called as
+A user reward function (`rl.reward_fn="package.module:function"`) is called as
 `function(prompt, reply, reference) -> float` with the last user turn's text, the generated
 reply's text (up to its first stop token) and the reference reply; the value is clipped to
 [0, 1], and a row is "correct" when it scores 1.
@@ -124,18 +124,18 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
                      f"got {stop_check_step} and {stop_overrun_warning}")
   if int(ev.get("num_examples", 0)) < 0:
     raise ValueError(f"eval.num_examples must be >= 0, got {ev.get('num_examples')}")
-  sdrl = config.get("sdrl")
+  rl = config.get("rl")
   reward, reward_fn = DEFAULT_REWARD, ""
-  if sdrl is not None:
-    reward = sdrl.get("reward", DEFAULT_REWARD)
+  if rl is not None:
+    reward = rl.get("reward", DEFAULT_REWARD)
     if isinstance(reward, (dict, ml_collections.ConfigDict)):  # a {"name": ...} section
       reward = reward.get("name", DEFAULT_REWARD)
-    reward_fn = sdrl.get("reward_fn", "") or ""
+    reward_fn = rl.get("reward_fn", "") or ""
     if reward not in text_metrics.METRICS + text_metrics.GRADED:
-      raise ValueError(f"unknown sdrl.reward {reward!r} for the chat task; choose one of "
-                       f"{text_metrics.METRICS + text_metrics.GRADED} (or set sdrl.reward_fn)")
+      raise ValueError(f"unknown rl.reward {reward!r} for the chat task; choose one of "
+                       f"{text_metrics.METRICS + text_metrics.GRADED} (or set rl.reward_fn)")
     if reward == "regex" and not answer_regex:
-      raise ValueError("sdrl.reward='regex' needs eval.answer_regex")
+      raise ValueError("rl.reward='regex' needs eval.answer_regex")
   return ChatSettings(
       train=train, weights=weights, eval_file=eval_file, eval_fraction=eval_fraction,
       tokenizer=data.get("tokenizer", "") or "", prompt_len=int(data.prompt_len),
@@ -211,15 +211,15 @@ def load_reward_fn(spec: str) -> Callable[[str, str, str], float]:
   """`package.module:function` imported; ValueError (one line) if it cannot be."""
   module_name, sep, name = spec.partition(":")
   if not sep or not module_name or not name:
-    raise ValueError(f"sdrl.reward_fn {spec!r} must look like 'package.module:function'")
+    raise ValueError(f"rl.reward_fn {spec!r} must look like 'package.module:function'")
   try:
     module = importlib.import_module(module_name)
   except Exception as e:  # anything the module raises on import
-    raise ValueError(f"sdrl.reward_fn: cannot import {module_name}: "
+    raise ValueError(f"rl.reward_fn: cannot import {module_name}: "
                      f"{type(e).__name__}: {errors.one_line(e)}") from None
   fn = getattr(module, name, None)
   if not callable(fn):
-    raise ValueError(f"sdrl.reward_fn: {module_name} has no function {name!r}")
+    raise ValueError(f"rl.reward_fn: {module_name} has no function {name!r}")
   return fn
 
 
@@ -644,8 +644,8 @@ class ChatTask(RlTask):
     return self._example_prompts(examples)
 
   def reward(self, prompts: Prompts, tokens_BxL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """sdrl.reward's verdict (1 or 0) or graded score (text_metrics.GRADED), or
-    sdrl.reward_fn's value clipped to [0, 1]; a row is correct when it scores 1."""
+    """rl.reward's verdict (1 or 0) or graded score (text_metrics.GRADED), or
+    rl.reward_fn's value clipped to [0, 1]; a row is correct when it scores 1."""
     scores = []
     for i, row in enumerate(np.asarray(tokens_BxL)):
       reply, reference = self.reply_text(row), prompts.references[i]
@@ -661,10 +661,10 @@ class ChatTask(RlTask):
       try:
         value = float(value)
       except (TypeError, ValueError):
-        raise ValueError(f"sdrl.reward_fn {self.settings.reward_fn} returned {value!r}, not a "
+        raise ValueError(f"rl.reward_fn {self.settings.reward_fn} returned {value!r}, not a "
                          "number") from None
       if not math.isfinite(value):
-        raise ValueError(f"sdrl.reward_fn {self.settings.reward_fn} returned {value}")
+        raise ValueError(f"rl.reward_fn {self.settings.reward_fn} returned {value}")
       scores.append(min(max(value, 0.0), 1.0))
     score_B = np.asarray(scores, np.float32)
     return score_B, score_B >= 1.0

@@ -10,8 +10,8 @@ the loss mask covers the response. Two prompt formats:
                  column, box) can be found by content rather than decoded from 1-D positions.
 
 Config sections read here: `data` (seed, curriculum, prompt format, loader threads), `eval`
-(periodic held-out puzzles), and for SD·RL `sdrl.prompts` (rollout puzzles), `sdrl.reward`
-(partial credit) and `sdrl.cell_weighting`.
+(periodic held-out puzzles), and for an RL stage its own section `rl`: `rl.prompts` (rollout
+puzzles) and `rl.reward` (the verifier, partial credit).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from diffgemma.tasks.sudoku_tokens import (  # noqa: F401 (the task's token help
 )
 
 PARTIAL_CREDITS = ("none", "cells", "constraints")
-CELL_WEIGHTINGS = ("none", "consistent")
 
 
 def response_len(canvas_len: int) -> int:
@@ -216,7 +215,7 @@ class PromptConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-  """The verifier's verdict as a score (config section `sdrl.reward`, Sudoku keys).
+  """The verifier's verdict as a score (config section `rl.reward`).
 
   partial_credit: "none": 1 if solved else 0; "cells": an unsolved grid earns partial_weight x
     the fraction of blank cells equal to the solution; "constraints": partial_weight x the
@@ -230,10 +229,10 @@ class RewardConfig:
 
   def __post_init__(self):
     if self.partial_credit not in PARTIAL_CREDITS:
-      raise ValueError(f"unknown sdrl.reward.partial_credit {self.partial_credit!r}; choose one "
+      raise ValueError(f"unknown rl.reward.partial_credit {self.partial_credit!r}; choose one "
                        f"of {PARTIAL_CREDITS}")
     if not 0.0 <= self.partial_weight <= 1.0:
-      raise ValueError(f"sdrl.reward.partial_weight must be in [0, 1], got "
+      raise ValueError(f"rl.reward.partial_weight must be in [0, 1], got "
                        f"{self.partial_weight}")
 
 
@@ -275,20 +274,20 @@ class SudokuTask(RlTask):
                        f"data.prompt_format={self.prompt_format!r} (needs {self._vocab})")
     self._layout = Layout(PROMPT_LEN, response_len(self.canvas_length) // self.canvas_length,
                           self.canvas_length)
-    sdrl = config.get("sdrl")
-    self.prompt_cfg = PromptConfig(**sdrl.prompts.to_dict()) if sdrl and "prompts" in sdrl \
-        else PromptConfig()
+    rl = config.get("rl") or ml_collections.ConfigDict()
+    self.prompt_cfg = PromptConfig(**rl.prompts.to_dict()) if "prompts" in rl else PromptConfig()
     sudoku.check_givens_range(self.prompt_cfg.min_givens, self.prompt_cfg.max_givens)
-    reward = dict(sdrl.reward.to_dict()) if sdrl and "reward" in sdrl else {}
+    reward = rl.get("reward", "sudoku")
+    reward = {"name": reward} if isinstance(reward, str) else reward.to_dict()
     if reward.get("name", "sudoku") != "sudoku":
-      raise ValueError(f"unknown sdrl.reward.name {reward['name']!r} for the Sudoku task; "
+      raise ValueError(f"unknown rl.reward.name {reward['name']!r} for the Sudoku task; "
                        "choose 'sudoku' (the verifier)")
+    unknown = sorted(set(reward) - {"name", "partial_credit", "partial_weight"})
+    if unknown:
+      raise ValueError(f"unknown key rl.reward.{unknown[0]} for the Sudoku task (reward shaping "
+                       "is the stage's: sdrl.shaping)")
     self.reward_cfg = RewardConfig(**{k: reward[k] for k in ("partial_credit", "partial_weight")
                                       if k in reward})
-    self.cell_weighting = sdrl.get("cell_weighting", "none") if sdrl else "none"
-    if self.cell_weighting not in CELL_WEIGHTINGS:
-      raise ValueError(f"unknown sdrl.cell_weighting {self.cell_weighting!r}; choose one of "
-                       f"{CELL_WEIGHTINGS}")
 
   @property
   def layout(self) -> Layout:
@@ -434,10 +433,8 @@ class SudokuTask(RlTask):
     return np.where(solved, 1.0, self.reward_cfg.partial_weight * partial), solved
 
   def token_weights(self, prompts, tokens_BxL):
-    """"consistent": the cells of the final grid the verifier finds consistent (an unsolved
-    grid's conflicting cells are not distilled toward); tokens after the grid count."""
-    if self.cell_weighting == "none":
-      return None
+    """The cells of the final grid the verifier finds consistent (an unsolved grid's
+    conflicting cells are not distilled toward); tokens after the grid count."""
     puzzles, _ = _puzzles_and_solutions(prompts)
     tokens_BxL = np.asarray(tokens_BxL)
     grids = tokens_to_digits(tokens_BxL[:, :sudoku.NUM_CELLS])

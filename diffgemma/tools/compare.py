@@ -26,13 +26,15 @@ from typing import NamedTuple
 import numpy as np
 
 from diffgemma import errors
+from diffgemma.runs import provenance
 
-# Eval scalars shown when a run has them (Sudoku: puzzle / blank-cell accuracy; text tasks:
-# accuracy).
+# Eval scalars shown when a run has them, after the runs' headline metrics (Sudoku: puzzle
+# accuracy; text tasks: accuracy).
 EVAL_METRICS = ("eval/puzzle_accuracy", "eval/blank_cell_accuracy", "eval/accuracy",
                 "eval/tokens_per_forward", "eval/steps_per_canvas")
 LOWER_IS_BETTER = ("eval/steps_per_canvas",)
-ACCURACY_TAGS = ("eval/puzzle_accuracy", "eval/accuracy")  # the quality axis, first present
+# The quality axis of a run that recorded no headline_metric (written before runs did).
+LEGACY_ACCURACY_TAGS = ("eval/puzzle_accuracy", "eval/accuracy")
 TPF_TAG = "eval/tokens_per_forward"
 LOSS_TAG = "loss"
 THROUGHPUT_TAG = "tokens_per_second"
@@ -66,6 +68,7 @@ class Run:
   series: dict  # tag -> Series
   minutes: float  # wall-clock minutes the run's processes were alive (see module docstring)
   heldout: dict  # NAME -> eval.py metrics dict (workdir/eval/NAME.json)
+  headline: str | None = None  # the task's main metric (run_info.json), None for older runs
 
   @property
   def name(self) -> str:
@@ -141,7 +144,8 @@ def load_run(workdir: str) -> Run:
   for result in sorted(glob.glob(os.path.join(workdir, HELDOUT_DIR, "*.json"))):
     with open(result) as f:
       heldout[os.path.splitext(os.path.basename(result))[0]] = json.load(f)
-  return Run(workdir, config, series, minutes, heldout)
+  headline = provenance.load_run_info(workdir).get("headline_metric")
+  return Run(workdir, config, series, minutes, heldout, headline)
 
 
 def load_runs(workdirs: list[str]) -> list[Run]:
@@ -191,7 +195,7 @@ def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
   eval metric some run logged, held-out results, logged steps, wall minutes, median training
   tokens/s (the median skips the first window, which includes compilation)."""
   keys = differing_keys(runs)
-  metrics = [t for t in EVAL_METRICS if any(t in run.series for run in runs)]
+  metrics = [t for t in eval_metrics(runs) if any(t in run.series for run in runs)]
   heldout = [(name, m) for name in sorted({n for run in runs for n in run.heldout})
              for m in heldout_metrics(runs, name)]
   header = (["run"] + keys + [f"{t.removeprefix('eval/')} final / best" for t in metrics]
@@ -244,10 +248,22 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
                    + [line(r) for r in rows])
 
 
+def eval_metrics(runs: list[Run]) -> list[str]:
+  """The eval scalars to show: the runs' headline metrics first, then EVAL_METRICS."""
+  headlines = [f"eval/{r.headline}" for r in runs if r.headline]
+  return list(dict.fromkeys(headlines + list(EVAL_METRICS)))
+
+
+def accuracy_tag(runs: list[Run]) -> str | None:
+  """The quality axis: the runs' headline metric (the first logged), else a legacy tag."""
+  candidates = [f"eval/{r.headline}" for r in runs if r.headline] + list(LEGACY_ACCURACY_TAGS)
+  return next((t for t in candidates if any(t in run.series for run in runs)), None)
+
+
 def plotted_metrics(runs: list[Run]) -> tuple[list[str], str | None]:
   """(tags drawn against step and minutes, the accuracy tag of the accuracy-TPF panel or None)."""
-  tags = [t for t in (LOSS_TAG,) + EVAL_METRICS if any(t in run.series for run in runs)]
-  accuracy = next((t for t in ACCURACY_TAGS if any(t in run.series for run in runs)), None)
+  tags = [t for t in [LOSS_TAG] + eval_metrics(runs) if any(t in run.series for run in runs)]
+  accuracy = accuracy_tag(runs)
   has_tpf = any(TPF_TAG in run.series for run in runs)
   return tags, (accuracy if has_tpf else None)
 

@@ -1,1 +1,1 @@
-"""Training: the forward process, the losses, the optimizer, the update step, the loop, stages."""
+"""Training: the typed run config, the training state, the forward process, losses, optimizer, update step, loop and stages, held-out evaluation, loaded runs."""

@@ -26,14 +26,12 @@ from diffgemma.runs import (
   preemption as preemption_lib,
   provenance,
   resume_config,
-  run_config,
-  training_state,
   workdir_lock,
 )
-from diffgemma.sampling import evaluation, sampler
+from diffgemma.sampling import sampler
 from diffgemma.tasks import make_task, task_name, tokenization_keys
 from diffgemma.tasks.base import Task
-from diffgemma.training import stages, update_step
+from diffgemma.training import evaluation, run_config, stages, training_state, update_step
 
 
 class NonFiniteError(errors.RunStopped):
@@ -256,7 +254,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
       print(f"initialising from {init_from}")
     state, frozen = training_state.new_state(setup)
     checkpointing.save_config(workdir, config)
-  provenance.record_start(workdir, start_step)  # run_info.json: this invocation's provenance
+  # run_info.json: this invocation's provenance, and the task's main metric (tools/compare.py)
+  provenance.record_start(workdir, start_step, headline_metric=task.headline_metric)
   # After the restore: a checkpoint moved aside is not one of the manager's steps.
   mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints)
   model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg

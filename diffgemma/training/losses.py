@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from diffgemma.model import network
+from diffgemma.model import fields, network
 from diffgemma.model.config import ModelConfig
 from diffgemma.training import diffusion
 
@@ -65,6 +65,7 @@ class LossConfig:
   end_weight: float = 1.0
 
   def __post_init__(self):
+    fields.check_types(self, "loss.")
     for name, choices in (("encoder_scope", ENCODER_SCOPES),
                           ("t_distribution", diffusion.T_DISTRIBUTIONS),
                           ("fill_noise", FILL_NOISES),
@@ -78,6 +79,8 @@ class LossConfig:
       raise ValueError(f"loss.end_weight must be > 0, got {self.end_weight}")
     if self.encoder_weight < 0 or self.decoder_weight < 0:
       raise ValueError("loss.encoder_weight and loss.decoder_weight must be >= 0")
+    if not (self.encoder_weight or self.decoder_weight):
+      raise ValueError("loss.encoder_weight and loss.decoder_weight are both 0: nothing to train")
     if not 0.0 <= self.self_conditioning_prob <= 1.0:
       raise ValueError("loss.self_conditioning_prob must be in [0, 1], got "
                        f"{self.self_conditioning_prob}")

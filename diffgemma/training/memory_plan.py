@@ -16,8 +16,7 @@ import ml_collections
 import numpy as np
 
 from diffgemma.model import quantize
-from diffgemma.runs import training_state
-from diffgemma.training import loop, stages, update_step
+from diffgemma.training import loop, stages, training_state, update_step
 
 GIB = 2 ** 30
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diffgemma.model import lora
+from diffgemma.model import fields, lora
 
 NAMES = ("adamw", "adafactor")
 SCHEDULES = ("cosine", "constant")
@@ -39,13 +39,14 @@ class OptimizerConfig:
   state_dtype: str = "float32"
 
   def __post_init__(self):
+    fields.check_types(self, "optimizer.")
     for field, choices in (("name", NAMES), ("schedule", SCHEDULES),
                            ("state_dtype", STATE_DTYPES)):
       if getattr(self, field) not in choices:
         raise ValueError(f"unknown optimizer.{field} {getattr(self, field)!r}; choose one of "
                          f"{choices}")
     if not self.lr > 0:
-      raise ValueError(f"optimizer.lr must be positive, got {self.lr}")
+      raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
     if self.warmup_steps < 0:
       raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
     if not 0.0 <= self.end_lr_fraction <= 1.0:
@@ -56,7 +57,7 @@ class OptimizerConfig:
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
     if not self.grad_clip > 0:
-      raise ValueError(f"optimizer.grad_clip must be positive, got {self.grad_clip}")
+      raise ValueError(f"optimizer.grad_clip must be > 0, got {self.grad_clip}")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int):

@@ -13,13 +13,9 @@ import dataclasses
 
 import numpy as np
 
-# Keys of the config section `sdrl.reward` that the task reads (its verifier and credit).
-TASK_KEYS = ("name", "partial_credit", "partial_weight")
-
-
 @dataclasses.dataclass(frozen=True)
 class ShapingConfig:
-  """step_penalty: subtracted x (steps per canvas / max denoising steps): favours short
+  """Config section `sdrl.shaping`. step_penalty: subtracted x (steps per canvas / max denoising steps): favours short
   trajectories. length_penalty: subtracted x (generated tokens / max_new_tokens): favours short
   answers."""
 
@@ -28,15 +24,8 @@ class ShapingConfig:
 
   def __post_init__(self):
     if self.step_penalty < 0 or self.length_penalty < 0:
-      raise ValueError("sdrl.reward.step_penalty and length_penalty must be >= 0")
-
-
-def shaping_config(section) -> ShapingConfig:
-  """The shaping keys of `sdrl.reward` (None: no penalties)."""
-  if section is None:
-    return ShapingConfig()
-  fields = {f.name for f in dataclasses.fields(ShapingConfig)}
-  return ShapingConfig(**{k: v for k, v in section.to_dict().items() if k in fields})
+      raise ValueError("sdrl.shaping.step_penalty and length_penalty must be >= 0, got "
+                       f"{self.step_penalty} and {self.length_penalty}")
 
 
 def shape(cfg: ShapingConfig, score_B, correct_B, steps_per_canvas_B, num_tokens_B,

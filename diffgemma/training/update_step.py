@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from diffgemma.model import sharding
-from diffgemma.runs.training_state import Setup, model_params
+from diffgemma.training.training_state import Setup, model_params
 
 # Stream ids folded into a step's key for randomness outside the loss.
 DROPOUT_STREAM = 1

@@ -42,7 +42,7 @@ def _registered(name: str) -> type[Stage]:
 
 def stage_settings(config: ml_collections.ConfigDict) -> dict:
   """{"stage": name, "stage_settings": the stage's typed section}: the stage's part of
-  `runs.run_config.build` (ValueError, one line, if its section is bad)."""
+  `training.run_config.build` (ValueError, one line, if its section is bad)."""
   name = stage_name(config)
   return {"stage": name, "stage_settings": _registered(name).settings(config)}
 

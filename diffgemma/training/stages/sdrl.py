@@ -40,10 +40,10 @@ import numpy as np
 
 from diffgemma.model import network, sharding
 from diffgemma.model.config import ModelConfig
-from diffgemma.runs import distributed, guard, training_state
+from diffgemma.runs import distributed, guard
 from diffgemma.sampling import sampler
 from diffgemma.tasks.base import Prompts, RlTask
-from diffgemma.training import diffusion, losses, rewards
+from diffgemma.training import diffusion, losses, rewards, training_state
 
 MODES = ("both", "distill", "rl")
 STATE_SELECTIONS = ("uniform", "first_k", "last_k", "all")
@@ -120,14 +120,14 @@ class SdrlConfig:
     return self.group_size * self.prompts_per_rollout
 
 
-_SECTIONS = ("reward", "prompts", "rollout_sampler", "reward_fn")
+_SECTIONS = ("shaping", "rollout_sampler")
 
 
 @dataclasses.dataclass(frozen=True)
 class SdrlSettings:
   """The SD·RL stage's typed section: its generic knobs, the rollout sampler (without the
-  task's stop ids) and the reward shaping. The task reads its own keys of `sdrl` (`prompts`,
-  the verifier's `reward` keys, `reward_fn`) when it is built."""
+  task's stop ids) and the reward shaping (`sdrl.shaping`). What to roll out and how to score
+  it is the task's own section `rl` (`RlTask`), read when the task is built."""
 
   cfg: SdrlConfig
   rollout_sampler: sampler.SamplerConfig
@@ -137,10 +137,15 @@ class SdrlSettings:
 def settings(config: ml_collections.ConfigDict) -> SdrlSettings:
   """The `sdrl` section typed and checked against the run's schedule (ValueError, one line)."""
   section = {k: v for k, v in config.sdrl.to_dict().items() if k not in _SECTIONS}
+  unknown = sorted(set(section) - {f.name for f in dataclasses.fields(SdrlConfig)})
+  if unknown:
+    raise ValueError(f"unknown key sdrl.{unknown[0]} (the RL task's rollout prompts and reward "
+                     "are section rl: rl.prompts, rl.reward, rl.reward_fn)")
   cfg = SdrlConfig(**section)
   rollout = sampler.SamplerConfig(**config.sdrl.rollout_sampler.to_dict()).replace(
       record_trajectory=True, mode=sampler.DIFFUSION)
-  shaping = rewards.shaping_config(config.sdrl.get("reward"))
+  shaping = rewards.ShapingConfig(
+      **(config.sdrl.shaping.to_dict() if "shaping" in config.sdrl else {}))
   # Checkpoints (and the end) fall between rollouts, so a resumed run redraws the same ones.
   for name in ("checkpoint_every", "num_train_steps"):
     if config[name] % cfg.updates_per_rollout:

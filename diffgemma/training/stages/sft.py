@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 
 from diffgemma.runs import guard
-from diffgemma.runs.training_state import Setup
+from diffgemma.training.training_state import Setup
 from diffgemma.tasks.base import Task
 from diffgemma.training import losses
 
@@ -23,7 +23,7 @@ class SftStage:
 
   @staticmethod
   def settings(config: ml_collections.ConfigDict) -> None:
-    del config  # SFT has no section of its own: runs.run_config and the task check its keys
+    del config  # SFT has no section of its own: training.run_config and the task check its keys
 
   def __init__(self, settings: None, task: Task, setup: Setup):
     del settings

@@ -1,7 +1,7 @@
 """A run's ConfigDict as one typed, frozen `RunConfig`, and the checks before anything is written.
 
 The entry points (train.py through `training.loop.prepare_config`, `--dry_run`, eval.py and
-sample.py through `runs.loaded`) call `build` once; everything below them takes the typed
+sample.py through `training.loaded`) call `build` once; everything below them takes the typed
 sections it needs: the model (`ModelConfig`), the objective (`LossConfig`), the evaluation
 sampler, the optimizer, LoRA, QLoRA's quantization, sharding, the loop's knobs (`TrainConfig`),
 the periodic evaluation (`EvalConfig`) and the stage's own typed section. The task's sections
@@ -16,15 +16,12 @@ from typing import Any
 
 import ml_collections
 
-from diffgemma.model import lora, quantize, sharding
-from diffgemma.model.config import ModelConfig
-from diffgemma.runs import validation
+from diffgemma.model import fields, lora, quantize, sharding
+from diffgemma.model.config import DTYPES, ModelConfig
 from diffgemma.sampling import sampler
 from diffgemma.training import losses, optimizer
 
 NONFINITE_POLICIES = ("stop", "skip")
-# Loss keys of configs written before `encoder_scope` existed.
-_LEGACY_LOSS_KEYS = ("encoder_loss_on_prompt",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +47,9 @@ class TrainConfig:
   device_memory_gib: float = 80.0
 
   def __post_init__(self):
+    fields.check_types(self, "")
+    if self.seed < 0:
+      raise ValueError(f"seed must be >= 0, got {self.seed}")
     for name in ("num_train_steps", "batch_size", "grad_accum_steps", "log_every",
                  "checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
@@ -84,6 +84,7 @@ class EvalConfig:
   trace_examples: int = 0
 
   def __post_init__(self):
+    fields.check_types(self, "eval.")
     for name in ("every_steps", "trace_examples"):
       if getattr(self, name) < 0:
         raise ValueError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
@@ -115,16 +116,27 @@ class RunConfig:
   stage_settings: Any = None
   init_from: str | None = None
 
+  def __post_init__(self):
+    """The checks across sections (each section checks its own fields)."""
+    if self.optimizer.warmup_steps > self.train.num_train_steps:
+      raise ValueError(f"optimizer.warmup_steps={self.optimizer.warmup_steps} exceeds "
+                       f"num_train_steps={self.train.num_train_steps}: the run would end before "
+                       "the learning rate reaches optimizer.lr")
+    # int8 / int4: QLoRA, the frozen base quantized (diffgemma/model/quantize.py).
+    if self.lora.base_dtype not in DTYPES + tuple(quantize.QTYPES):
+      raise ValueError(f"unknown lora.base_dtype {self.lora.base_dtype!r}; choose one of "
+                       f"{DTYPES + tuple(quantize.QTYPES)}")
+
 
 def build(config: ml_collections.ConfigDict, stage: str = "sft",
           stage_settings: Any = None) -> RunConfig:
   """The one conversion of a run's ConfigDict: every generic section checked and typed.
 
   Raises ValueError / TypeError / KeyError with a one-line message (the entry points prefix it
-  with "bad config:"). `stage` and `stage_settings` come from the stage registry
+  with "bad config:"): each section checks its own fields, `RunConfig` the ones across
+  sections. `stage` and `stage_settings` come from the stage registry
   (`training.stages.stage_settings`), which sits above this module.
   """
-  validation.validate_run_config(config)
   lora_cfg = _lora_config(config)
   return RunConfig(
       train=_train_config(config), model=_model_config(config), loss=_loss_config(config),
@@ -151,22 +163,12 @@ def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
 
 def _loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
-  fields = dict(config.loss.to_dict())
-  on_prompt = fields.pop("encoder_loss_on_prompt", None)
-  if on_prompt is not None and "encoder_scope" not in fields:
-    fields["encoder_scope"] = "prompt_and_target" if on_prompt else "target"
-  return losses.LossConfig(**fields)
+  return losses.LossConfig(**config.loss.to_dict())
 
 
 def _lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig:
-  """The run's LoRA settings (disabled for configs written before LoRA existed)."""
-  if "lora" not in config:
-    return lora.LoraConfig()
-  cfg = lora.LoraConfig(**config.lora.to_dict())
-  if cfg.enabled and config.get("freeze_router", False):
-    cfg = dataclasses.replace(
-        cfg, targets=tuple(t for t in cfg.targets if t != lora.ROUTER_PATTERN))
-  return cfg
+  section = config.lora.to_dict() if "lora" in config else None
+  return lora.run_lora_config(section, config.get("freeze_router", False))
 
 
 def _quantize_config(config: ml_collections.ConfigDict,

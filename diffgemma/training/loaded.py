@@ -14,7 +14,8 @@ import ml_collections
 from diffgemma import errors
 from diffgemma.io import model_dirs
 from diffgemma.model.config import ModelConfig
-from diffgemma.runs import checkpointing, run_config, training_state
+from diffgemma.runs import checkpointing
+from diffgemma.training import run_config, training_state
 from diffgemma.sampling import sampler
 from diffgemma.tasks import make_task
 from diffgemma.tasks.base import Task

@@ -18,8 +18,8 @@ import ml_collections
 from diffgemma.io import model_dirs
 from diffgemma.model import lora, network, quantize, sharding
 from diffgemma.model.config import NUMERICS_FIELDS, ModelConfig
-from diffgemma.runs import checkpointing, run_config
-from diffgemma.training import optimizer
+from diffgemma.runs import checkpointing
+from diffgemma.training import optimizer, run_config
 
 
 @dataclasses.dataclass
