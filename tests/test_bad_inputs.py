@@ -505,10 +505,7 @@ def sampler_outcome(workdir: str, raw: dict):
   field, then applied to the run's sampler (checked) as the run opens."""
   from diffgemma.training import loaded
 
-  try:
-    overrides = sampler.parse_overrides(raw)
-  except ValueError as e:
-    raise cli.UserError(str(e)) from None
+  overrides = cli.typed_overrides(raw, sampler.SamplerConfig, "sampler")
   return loaded.open_run(workdir, **overrides)
 
 
