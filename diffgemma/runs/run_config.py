@@ -20,7 +20,7 @@ from diffgemma.model import lora, quantize, sharding
 from diffgemma.model.config import ModelConfig
 from diffgemma.runs import validation
 from diffgemma.sampling import sampler
-from diffgemma.training import losses, optimizer
+from diffgemma.training import budget, losses, optimizer
 
 NONFINITE_POLICIES = ("stop", "skip")
 # Loss keys of configs written before `encoder_scope` existed.
@@ -37,7 +37,8 @@ class TrainConfig:
   """
 
   seed: int = 0
-  num_train_steps: int = 1000
+  num_train_steps: int = 1000  # 0: fitted to max_train_minutes when the run starts
+  min_useful_steps: int = 0  # with num_train_steps=0: fewer fitted steps are warned about
   batch_size: int = 16
   grad_accum_steps: int = 1
   max_train_minutes: float = 0.0
@@ -50,10 +51,18 @@ class TrainConfig:
   device_memory_gib: float = 80.0
 
   def __post_init__(self):
-    for name in ("num_train_steps", "batch_size", "grad_accum_steps", "log_every",
-                 "checkpoint_every", "keep_checkpoints"):
+    for name in ("batch_size", "grad_accum_steps", "log_every", "checkpoint_every",
+                 "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.num_train_steps < 0:
+      raise ValueError(f"num_train_steps must be >= 1, or 0 to fit max_train_minutes; got "
+                       f"{self.num_train_steps}")
+    if self.num_train_steps == 0 and self.max_train_minutes <= 0:
+      raise ValueError("num_train_steps=0 fits the schedule to max_train_minutes: set "
+                       "max_train_minutes > 0, or an explicit num_train_steps")
+    if self.min_useful_steps < 0:
+      raise ValueError(f"min_useful_steps must be >= 0, got {self.min_useful_steps}")
     if self.batch_size % self.grad_accum_steps:
       raise ValueError(f"grad_accum_steps={self.grad_accum_steps} does not divide "
                        f"batch_size={self.batch_size}")
@@ -114,6 +123,16 @@ class RunConfig:
   stage: str = "sft"
   stage_settings: Any = None
   init_from: str | None = None
+
+  def __post_init__(self):
+    if self.train.num_train_steps == budget.FIT:
+      if self.stage != "sft":
+        raise ValueError(f"num_train_steps=0 (fit the budget) is for SFT runs; the {self.stage} "
+                         "stage needs an explicit num_train_steps")
+      if self.optimizer.warmup_steps < budget.MIN_TIMED_STEPS + 1:
+        raise ValueError(f"num_train_steps=0 times the first steps inside the warmup: set "
+                         f"optimizer.warmup_steps >= {budget.MIN_TIMED_STEPS + 1}, or an "
+                         "explicit num_train_steps")
 
 
 def build(config: ml_collections.ConfigDict, stage: str = "sft",

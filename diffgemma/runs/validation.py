@@ -79,7 +79,7 @@ def _check_bool(config, key: str) -> None:
 
 # Integer keys and their lower bounds.
 _RUN_INTS = {
-    "seed": 0, "num_train_steps": 1, "batch_size": 1, "log_every": 1, "checkpoint_every": 1,
+    "seed": 0, "num_train_steps": 0, "batch_size": 1, "log_every": 1, "checkpoint_every": 1,
     "keep_checkpoints": 1, "grad_accum_steps": 1,
     "eval.every_steps": 0, "eval.batch_size": 1,
     "sampler.max_denoising_steps": 1, "sampler.stability_threshold": 0,
@@ -114,7 +114,7 @@ def _check_optimizer(config) -> None:
   _check_float(config, "optimizer.b2", 0.0, 1.0, high_open=True)
   _check_float(config, "optimizer.grad_clip", 0.0, low_open=True)
   warmup, steps = _get(config, "optimizer.warmup_steps"), _get(config, "num_train_steps")
-  if warmup is not _MISSING and steps is not _MISSING and warmup > steps:
+  if warmup is not _MISSING and steps is not _MISSING and 0 < steps < warmup:
     raise ValueError(f"optimizer.warmup_steps={warmup} exceeds num_train_steps={steps}: the "
                      "run would end before the learning rate reaches optimizer.lr")
 
