@@ -44,6 +44,7 @@ def get_config():
   c.stage = "sft"
   c.seed = 0
   c.num_train_steps = 4000
+  c.min_useful_steps = 0  # with num_train_steps=0: a fitted count below this is warned about
   c.batch_size = 16  # more updates per CPU minute beat bigger batches here (see README)
   c.max_train_minutes = 30.0  # stop (and checkpoint) after this much wall-clock time; 0 = off
   c.log_every = 20

@@ -179,6 +179,16 @@ def record_start(workdir: str, start_step: int, argv: list[str] | None = None,
   _save(workdir, info)
 
 
+def record_fit(workdir: str, calibration: dict) -> None:
+  """Record, on the invocation that started the run, the schedule fitted to its budget
+  (`training.budget.Calibration`: steps per second, eval and checkpoint seconds, the count)."""
+  if not distributed.primary():
+    return
+  info = load_run_info(workdir)
+  info["invocations"][-1]["budget_fit"] = calibration
+  _save(workdir, info)
+
+
 def stop_reason(step: int, num_train_steps: int, timed_out: bool,
                 preempted: bool = False) -> str:
   """Why a training loop that ended normally at `step` stopped (see the module docstring)."""

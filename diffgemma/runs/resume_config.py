@@ -18,6 +18,8 @@ command-line overrides) with the run's `config.json`:
 always the same puzzles), but a cosine schedule spans the run's length, so a new length changes
 the learning rate of every step after the resume; `reconcile` says so in the change's note.
 A resumed run is then no longer bitwise equal to an uninterrupted run of either length.
+`num_train_steps=0` ("fit the budget", `training.budget`) asks for no change: the run keeps the
+count it fitted and saved when it started.
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ def reconcile(saved: ml_collections.ConfigDict, requested: ml_collections.Config
       continue  # written by the trainer, or dropped from the config file: the run's value
     if key in old and old[key] == new[key]:
       continue
+    if key == "num_train_steps" and new[key] == 0 and key in old:
+      continue  # "fit the budget": the count the run fitted when it started
     if key in adopted and key not in explicit:
       continue  # the architecture came from --init_from's checkpoint
     if key not in old or is_safe(key):

@@ -112,7 +112,11 @@ def point_status(point: Point) -> str:
   step = checkpointing.latest_step(point.workdir)
   if step is None:
     return NEW
-  return FINISHED if step >= point.num_train_steps else RESUME
+  target = point.num_train_steps
+  if target == 0:  # fitted to the budget: the count the run saved when it started
+    with open(os.path.join(point.workdir, "config.json")) as f:
+      target = int(json.load(f)["num_train_steps"])
+  return FINISHED if target and step >= target else RESUME
 
 
 def plan(config_path: str, root: str, grid_specs: list[str], set_specs: list[str],

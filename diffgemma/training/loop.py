@@ -10,7 +10,9 @@ deadline, preemption, the non-finite guard), and the close.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import time
 
 import jax
@@ -31,7 +33,14 @@ from diffgemma.runs import (
 from diffgemma.sampling import sampler
 from diffgemma.tasks import make_task, task_name, tokenization_keys
 from diffgemma.tasks.base import Task
-from diffgemma.training import evaluation, run_config, stages, training_state, update_step
+from diffgemma.training import (
+  budget,
+  evaluation,
+  run_config,
+  stages,
+  training_state,
+  update_step,
+)
 
 
 class NonFiniteError(errors.RunStopped):
@@ -230,11 +239,97 @@ def _agreed_stop(step: int, stop_at, end_time, preemption) -> str:
   return distributed.agree_any("stop", mine)
 
 
+def _with_num_train_steps(run: run_config.RunConfig, num_steps: int) -> run_config.RunConfig:
+  return dataclasses.replace(run, train=dataclasses.replace(run.train, num_train_steps=num_steps))
+
+
+class _StepClock:
+  """Times a fitting run's first steps: step 1 (with the update step's compile) apart from the
+  steps after it. Each timed step ends on the device (`block_until_ready`), so dispatch does not
+  hide its cost."""
+
+  def __init__(self, start_step: int):
+    self.start_step = start_step
+    self.began, self.began_wall = time.perf_counter(), time.time()
+    self.first_done = None  # perf_counter after the compiled step
+
+  def stepped(self, step: int, state) -> None:
+    jax.block_until_ready(state)
+    now = time.perf_counter()
+    if self.first_done is None:
+      self.first_done = now
+    self.last_done, self.last_step = now, step
+
+  def timed_steps(self) -> int:
+    return 0 if self.first_done is None else self.last_step - self.start_step - 1
+
+  def seconds_per_step(self) -> float:
+    return (self.last_done - self.first_done) / self.timed_steps()
+
+  def compile_seconds(self) -> float:
+    return max(0.0, self.first_done - self.began - self.seconds_per_step())
+
+  def calibrated(self, step: int, warmup_end: int, end_time: float) -> bool:
+    """Enough timed steps: the warmup is over, or the calibration has used its share of the
+    budget (`budget.MAX_CALIBRATION_SHARE`)."""
+    if self.timed_steps() < budget.MIN_TIMED_STEPS:
+      return False
+    share = (time.time() - self.began_wall) / max(end_time - self.began_wall, 1e-9)
+    return step >= warmup_end or share >= budget.MAX_CALIBRATION_SHARE
+
+
+def _fit_schedule(clock: _StepClock, step: int, end_time: float, train_cfg, eval_every: int,
+                  evaluate, save_checkpoint, workdir: str) -> tuple[budget.Calibration, dict]:
+  """(the fitted count and what it was measured from, the eval metrics at `step`): one periodic
+  evaluation at `step` (logged like any other, its compile time taken out) and one checkpoint
+  write into a scratch directory, timed; process 0's count, agreed by every process."""
+  evaluated, eval_seconds = {}, 0.0
+  if evaluate is not None:
+    with budget.CompileClock() as compile_clock:
+      evaluated = evaluate()
+    eval_seconds = compile_clock.warm_seconds
+  scratch = os.path.join(workdir, ".budget_calibration")
+  began = time.perf_counter()
+  save_checkpoint(scratch)
+  checkpoint_seconds = time.perf_counter() - began
+  if distributed.primary():
+    shutil.rmtree(scratch, ignore_errors=True)
+  seconds_left = end_time - time.time()
+  fields = dict(seconds_per_step=clock.seconds_per_step(), compile_seconds=clock.compile_seconds(),
+                eval_seconds=eval_seconds, checkpoint_seconds=checkpoint_seconds)
+  count = budget.fit_num_steps(seconds_left, step, eval_every=eval_every,
+                               checkpoint_every=train_cfg.checkpoint_every, **fields)
+  count = int(distributed.agree("fit_num_steps", lambda: str(count)))
+  return budget.Calibration(calibration_steps=step, seconds_left=seconds_left,
+                            num_train_steps=count, **fields), evaluated
+
+
+def _save_and_wait(workdir: str, step: int, state) -> None:
+  mngr = checkpointing.manager(workdir, keep=1)
+  checkpointing.save(mngr, step, state)
+  checkpointing.finish(mngr)
+
+
+def _too_slow(calibration: budget.Calibration, train_cfg) -> str:
+  """One line: this machine fits fewer steps than the recipe needs, and the minutes that would."""
+  per_step = (60 * train_cfg.max_train_minutes) / max(calibration.num_train_steps, 1)
+  minutes = train_cfg.min_useful_steps * per_step / 60
+  return (f"warning: this machine fits {calibration.num_train_steps} steps in "
+          f"max_train_minutes={train_cfg.max_train_minutes:g}, fewer than the "
+          f"{train_cfg.min_useful_steps} this recipe needs for a useful result: set "
+          f"--config.max_train_minutes={minutes:.0f} or more")
+
+
 def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: Task, workdir: str,
            start_step, changes, init_from, stop_at, preemption) -> dict:
   """The run itself; `config` is only written to the workdir (config.json), `run` is read."""
   if start_step is not None and init_from:
     print(f"resuming {workdir}: --init_from applies only to a new run")
+  # num_train_steps=0: a new run times its first steps, all inside the warmup, then fits the
+  # count (`_fit_schedule`); until then the stage's data stream spans the warmup.
+  fitting = run.train.num_train_steps == budget.FIT and start_step is None
+  if fitting:
+    run = _with_num_train_steps(run, run.optimizer.warmup_steps)
   setup = training_state.make_setup(run)
   train_cfg = setup.train_cfg
   stage = stages.make_stage(task, setup)
@@ -296,9 +391,10 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
               if train_cfg.max_train_minutes > 0 else None)
   last, host_metrics = {}, {}
   window_start, window_steps = time.perf_counter(), 0
-  bar = tqdm(total=train_cfg.num_train_steps, initial=start_step, desc=stage.name, unit="step",
-             dynamic_ncols=True, disable=not distributed.primary())
+  bar = tqdm(total=None if fitting else train_cfg.num_train_steps, initial=start_step,
+             desc=stage.name, unit="step", dynamic_ncols=True, disable=not distributed.primary())
   step, stop = start_step, ""
+  clock = _StepClock(start_step) if fitting else None
   try:
     while step < train_cfg.num_train_steps:
       batch, new_host_metrics = stage.next_batch(step, state, frozen)
@@ -308,7 +404,9 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
       step += 1
       window_steps += 1
       bar.update(1)
-      final = step == train_cfg.num_train_steps
+      if clock is not None:
+        clock.stepped(step, state)
+      final = step == train_cfg.num_train_steps and not fitting
       if step % train_cfg.log_every == 0 or final:
         metrics = jax.tree_util.tree_map(float, jax.device_get(metrics))
         metrics["nonfinite_steps"] = float(_check_finite(state, train_cfg, mngr))
@@ -329,13 +427,48 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
                                      eval_sampler_cfg, eval_prompts, eval_cfg.batch_size,
                                      generate_fn, writer, trace_fn, trace_rows))
         window_start, window_steps = time.perf_counter(), 0  # eval time is not throughput
-      if boundary and (step % train_cfg.checkpoint_every == 0 or final or stopping):
+      if fitting and stopping:
+        tqdm.write(f"stopped at step {step}, before the schedule was fitted to the budget: "
+                   "nothing saved; rerun the same command to start again")
+      elif boundary and (step % train_cfg.checkpoint_every == 0 or final or stopping):
         checkpoint(step)
       if stop == provenance.MAX_TRAIN_MINUTES:
         tqdm.write(f"stopping at step {step}: max_train_minutes={train_cfg.max_train_minutes} "
                    "reached")
       if stopping:
         break
+      if fitting and clock.calibrated(step, train_cfg.num_train_steps, end_time):
+        # Fix the count, then rebuild what depends on it: the schedule (a compile-time
+        # constant of the update step) and the stage's data stream (from this step on).
+        def evaluate_now():
+          return evaluate_and_log(step, eval_params(state, frozen, lora_cfg), task, model_cfg,
+                                  eval_sampler_cfg, eval_prompts, eval_cfg.batch_size,
+                                  generate_fn, writer, trace_fn, trace_rows)
+
+        calibration, evaluated = _fit_schedule(
+            clock, step, end_time, train_cfg, eval_cfg.every_steps if eval_prompts else 0,
+            evaluate_now if eval_prompts is not None else None,
+            lambda scratch: _save_and_wait(scratch, step, state), workdir)
+        last.update(evaluated)
+        fitting, clock = False, None
+        with config.unlocked():
+          config.num_train_steps = calibration.num_train_steps
+        checkpointing.save_config(workdir, config)  # before any checkpoint: a resume reads it
+        provenance.record_fit(workdir, calibration.as_dict())
+        run = _with_num_train_steps(run, calibration.num_train_steps)
+        setup = training_state.make_setup(run, mesh=setup.mesh)
+        train_cfg = setup.train_cfg
+        stage = stages.make_stage(task, setup)
+        stage.start(state, frozen, step, workdir)
+        step_fn = update_step.make_update_step(
+            setup, stage.loss_fn, state_sh, frozen_sh,
+            update_step.batch_shardings(setup, stage.batch_shapes()), stage.update_stream)
+        tqdm.write(calibration.describe(train_cfg.max_train_minutes))
+        if calibration.num_train_steps < train_cfg.min_useful_steps:
+          tqdm.write(_too_slow(calibration, train_cfg))
+        bar.total = train_cfg.num_train_steps
+        bar.refresh()
+        window_start, window_steps = time.perf_counter(), 0
   except BaseException:  # the loop's own error is the one the user sees
     _close(bar, mngr, writer, failed=True)
     raise

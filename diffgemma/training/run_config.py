@@ -19,7 +19,7 @@ import ml_collections
 from diffgemma.model import fields, lora, quantize, sharding
 from diffgemma.model.config import DTYPES, ModelConfig
 from diffgemma.sampling import sampler
-from diffgemma.training import losses, optimizer
+from diffgemma.training import budget, losses, optimizer
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -34,7 +34,8 @@ class TrainConfig:
   """
 
   seed: int = 0
-  num_train_steps: int = 1000
+  num_train_steps: int = 1000  # 0: fitted to max_train_minutes when the run starts
+  min_useful_steps: int = 0  # with num_train_steps=0: fewer fitted steps are warned about
   batch_size: int = 16
   grad_accum_steps: int = 1
   max_train_minutes: float = 0.0
@@ -50,10 +51,18 @@ class TrainConfig:
     fields.check_types(self, "")
     if self.seed < 0:
       raise ValueError(f"seed must be >= 0, got {self.seed}")
-    for name in ("num_train_steps", "batch_size", "grad_accum_steps", "log_every",
-                 "checkpoint_every", "keep_checkpoints"):
+    for name in ("batch_size", "grad_accum_steps", "log_every", "checkpoint_every",
+                 "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.num_train_steps < 0:
+      raise ValueError(f"num_train_steps must be >= 1, or 0 to fit max_train_minutes; got "
+                       f"{self.num_train_steps}")
+    if self.num_train_steps == 0 and self.max_train_minutes <= 0:
+      raise ValueError("num_train_steps=0 fits the schedule to max_train_minutes: set "
+                       "max_train_minutes > 0, or an explicit num_train_steps")
+    if self.min_useful_steps < 0:
+      raise ValueError(f"min_useful_steps must be >= 0, got {self.min_useful_steps}")
     if self.batch_size % self.grad_accum_steps:
       raise ValueError(f"grad_accum_steps={self.grad_accum_steps} does not divide "
                        f"batch_size={self.batch_size}")
@@ -118,10 +127,19 @@ class RunConfig:
 
   def __post_init__(self):
     """The checks across sections (each section checks its own fields)."""
-    if self.optimizer.warmup_steps > self.train.num_train_steps:
+    steps = self.train.num_train_steps
+    if steps != budget.FIT and self.optimizer.warmup_steps > steps:
       raise ValueError(f"optimizer.warmup_steps={self.optimizer.warmup_steps} exceeds "
-                       f"num_train_steps={self.train.num_train_steps}: the run would end before "
-                       "the learning rate reaches optimizer.lr")
+                       f"num_train_steps={steps}: the run would end before the learning rate "
+                       "reaches optimizer.lr")
+    if steps == budget.FIT:
+      if self.stage != "sft":
+        raise ValueError(f"num_train_steps=0 (fit the budget) is for SFT runs; the {self.stage} "
+                         "stage needs an explicit num_train_steps")
+      if self.optimizer.warmup_steps < budget.MIN_TIMED_STEPS + 1:
+        raise ValueError(f"num_train_steps=0 times the first steps inside the warmup: set "
+                         f"optimizer.warmup_steps >= {budget.MIN_TIMED_STEPS + 1}, or an "
+                         "explicit num_train_steps")
     # int8 / int4: QLoRA, the frozen base quantized (diffgemma/model/quantize.py).
     if self.lora.base_dtype not in DTYPES + tuple(quantize.QTYPES):
       raise ValueError(f"unknown lora.base_dtype {self.lora.base_dtype!r}; choose one of "

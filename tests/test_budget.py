@@ -1,0 +1,122 @@
+"""The schedule fitted to the wall-clock budget (`num_train_steps=0`, `training.budget`): the fit
+against a brute-force search, and a fitted run that is stopped and resumed against an
+uninterrupted run given the fitted count explicitly (bitwise)."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from diffgemma import errors
+from diffgemma.runs import provenance, training_state
+from diffgemma.training import budget, loop
+from tests.helpers import tiny_sudoku_config
+
+
+def brute_force_fit(seconds_left, start, sps, compile_s, eval_s, eval_every, ckpt_s, ckpt_every,
+                    margin):
+  """The largest n (start < n) whose steps, evals and checkpoints (each every k steps and at the
+  last step) and one recompile take at most (1 - margin) * seconds_left, by walking n up."""
+  best, periodic = start + 1, 0.0  # periodic: the cost of the events at multiples up to n
+  for n in range(start + 1, start + 100_000):
+    final = 0.0  # the last step's eval and checkpoint, unless they are periodic ones
+    if eval_every > 0:
+      periodic += eval_s if n % eval_every == 0 else 0.0
+      final += eval_s if n % eval_every else 0.0
+    periodic += ckpt_s if n % ckpt_every == 0 else 0.0
+    final += ckpt_s if n % ckpt_every else 0.0
+    cost = (n - start) * sps + compile_s + periodic + final
+    if cost <= (1 - margin) * seconds_left:
+      best = n
+    elif (n - start) * sps > seconds_left:
+      break
+  return best
+
+
+@pytest.mark.parametrize("seconds_left,start,sps,compile_s,eval_s,eval_every,ckpt_s,ckpt_every", [
+    (1800.0, 50, 0.31, 12.0, 15.0, 500, 0.4, 250),  # the Sudoku default on a 2-core EPYC
+    (600.0, 3, 0.2, 5.0, 30.0, 100, 2.0, 50),  # evals that cost 150 steps each
+    (100.0, 10, 0.05, 0.0, 0.0, 0, 0.0, 7),  # no eval, odd checkpoint cadence
+    (5.0, 20, 1.0, 10.0, 1.0, 5, 1.0, 5),  # the budget is already spent: one more step
+])
+def test_fit_num_steps_is_the_largest_count_that_fits(seconds_left, start, sps, compile_s, eval_s,
+                                                      eval_every, ckpt_s, ckpt_every):
+  fitted = budget.fit_num_steps(seconds_left, start, sps, compile_s, eval_s, eval_every, ckpt_s,
+                                ckpt_every)
+  assert fitted == brute_force_fit(seconds_left, start, sps, compile_s, eval_s, eval_every,
+                                   ckpt_s, ckpt_every, budget.MARGIN)
+
+
+def test_events_between_counts_the_periodic_and_the_final_event():
+  for start, end, every in [(0, 10, 3), (3, 9, 3), (50, 4000, 500), (7, 8, 100), (5, 5, 2)]:
+    expected = sum(1 for s in range(start + 1, end + 1) if s % every == 0 or s == end)
+    assert budget.events_between(start, end, every) == expected
+  assert budget.events_between(0, 10, 0) == 0
+
+
+def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tmp_path,
+                                                                             monkeypatch):
+  """num_train_steps=0: the first warmup steps are timed, the count (fixed here at 7 so that the
+  test's cost does not depend on this machine's speed; the fit itself is tested above) goes into
+  config.json before any checkpoint, and run_info.json records the calibration. Stopped at step 5
+  and rerun with the same config, the run ends at 7 bitwise equal to the uninterrupted fitted run
+  (today's resume check), and equal to a run given num_train_steps=7 from the start: bitwise with
+  XLA's optimisations on (the timed steps are the run's own); within 1e-6 under this suite's
+  unoptimised compiles, where the warmup steps' program (compiled for the provisional count)
+  rounds differently in the last bit."""
+  asked = []
+
+  def fit(seconds_left, start_step, seconds_per_step, **kwargs):
+    asked.append(dict(seconds_left=seconds_left, start_step=start_step,
+                      seconds_per_step=seconds_per_step, **kwargs))
+    return 7
+
+  monkeypatch.setattr(budget, "fit_num_steps", fit)
+  config = tiny_sudoku_config(workdir_steps=0)
+  config.max_train_minutes = 30.0
+  config.optimizer.warmup_steps = 3
+  config.eval.update(dict(every_steps=100, num_puzzles=2, batch_size=2))
+  config.sampler.max_denoising_steps = 2
+  resumed = str(tmp_path / "resumed")
+  loop.train(config, resumed, stop_at=5)
+  assert json.load(open(os.path.join(resumed, "config.json")))["num_train_steps"] == 7
+  (call,) = asked
+  assert call["start_step"] == 3 and call["seconds_per_step"] > 0
+  assert call["eval_every"] == 100 and call["eval_seconds"] > 0
+  assert 0 < call["seconds_left"] <= 30 * 60
+  loop.train(config, resumed)  # the same command: resumes at 5 under the saved count
+  assert len(asked) == 1  # a resume does not fit again
+  runs = provenance.load_run_info(resumed)["invocations"]
+  assert [(r["start_step"], r["end_step"], r["stop_reason"]) for r in runs] == [
+      (0, 5, provenance.STOP_AT), (5, 7, provenance.NUM_TRAIN_STEPS)]
+  fit_record = runs[0]["budget_fit"]
+  assert fit_record["num_train_steps"] == 7 and fit_record["calibration_steps"] == 3
+  assert fit_record["seconds_per_step"] == pytest.approx(call["seconds_per_step"], rel=1e-3)
+
+  straight = str(tmp_path / "straight")
+  loop.train(config, straight)
+  given = config.copy_and_resolve_references()
+  given.num_train_steps = 7
+  explicit = str(tmp_path / "explicit")
+  loop.train(given, explicit)
+  states = {}
+  for name, path in (("resumed", resumed), ("straight", straight), ("explicit", explicit)):
+    *_, states[name], _, step = training_state.restore_run(path)
+    assert step == 7, (name, step)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, states["resumed"], states["straight"])
+  jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=0, atol=1e-6),
+                         states["resumed"], states["explicit"])
+
+
+def test_fitting_needs_a_budget_and_a_warmup_to_time(tmp_path):
+  config = tiny_sudoku_config(workdir_steps=0)
+  config.max_train_minutes = 0.0
+  with pytest.raises(errors.ConfigError, match="num_train_steps=0 fits the schedule"):
+    loop.train(config, str(tmp_path / "a"))
+  config.max_train_minutes = 5.0
+  config.optimizer.warmup_steps = 1
+  with pytest.raises(errors.ConfigError, match="optimizer.warmup_steps >= 3"):
+    loop.train(config, str(tmp_path / "b"))
+  assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
