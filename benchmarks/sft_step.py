@@ -11,8 +11,13 @@ import tempfile
 def build_step(config, steps: int):
   """(jitted update step, initial state, `steps` batches) of an SFT config."""
   from diffgemma.tasks import make_task
-  from diffgemma.training import run_config, training_state, update_step
+  from diffgemma.training import update_step
   from diffgemma.training.stages import sft
+
+  try:
+    from diffgemma.training import run_config, training_state
+  except ImportError:  # a tree before the subpackage layering (step_ab.py times older refs)
+    from diffgemma.runs import run_config, training_state
 
   setup = training_state.make_setup(run_config.build(config))
   state = training_state.init_state(setup)

@@ -1,8 +1,16 @@
-"""The training step of several code trees or environments, timed side by side on one machine.
+"""A program of several code trees or environments, timed side by side on one machine.
 
   python benchmarks/step_ab.py --variant=main:origin/main --variant=this:. \
       [--variant="xnn:.:XLA_FLAGS='--xla_cpu_use_xnnpack=true'"] [--config=sft_sudoku] \
+      [--program=sft_step|decoder_step|generate] [--batch=8] \
       [--rounds=8] [--steps_per_round=5] [--config_overrides=KEY=VALUE,...]
+
+`--program`: the config's SFT update step (default); the sampler's decoder step (one bidirectional
+pass over a canvas of `--batch` rows against a cache holding their encoded prompts); or `generate`
+(the whole jitted sampler, `--batch` prompts of the config's prompt length, its sampler section).
+The sampler programs use only `network` and `sampler`, whose API every tree since the Flax port
+shares, so they time trees from before it too. Each variant also reports its first call's time
+less its median warm call: the compile time.
 
 Each `--variant=LABEL:SOURCE[:ENV]` is one process: SOURCE is `.` (this working tree) or a git
 ref (checked out into a temporary worktree, removed at the end); ENV is shell-style
@@ -33,6 +41,9 @@ _CONFIG = flags.DEFINE_string("config", "sft_sudoku", "Config name (configs/NAME
 _OVERRIDES = flags.DEFINE_string("config_overrides", "", "KEY=VALUE,... applied in every variant.")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Round-robin rounds (the median is kept).")
 _STEPS = flags.DEFINE_integer("steps_per_round", 5, "Steps per timed round.")
+_PROGRAM = flags.DEFINE_enum("program", "sft_step", ["sft_step", "decoder_step", "generate"],
+                             "What to time (see the docstring).")
+_BATCH = flags.DEFINE_integer("batch", 8, "Rows of the sampler programs.")
 _CHILD = flags.DEFINE_string("child", None, "Internal: the source tree this process times.")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,21 +81,69 @@ def child(tree: str):
 
   from diffgemma import cli  # the tree's own: the parent puts it on PYTHONPATH
 
-  sft_step = _sft_step_module()
-  config = cli.override_config(_load_config(tree, _CONFIG.value), _OVERRIDES.value.split(","))
-  step_fn, state, batches = sft_step.build_step(config, _STEPS.value + 1)
-  state, metrics = step_fn(state, None, batches[0])
-  jax.block_until_ready(metrics)
-  print(json.dumps({"ready": True, "devices": jax.device_count(), "jax": jax.__version__}),
-        flush=True)
+  config = _load_config(tree, _CONFIG.value)
+  if _OVERRIDES.value:
+    config = cli.override_config(config, _OVERRIDES.value.split(","))
+  run_once = _sampler_program(config) if _PROGRAM.value != "sft_step" else _sft_program(config)
+  start = time.perf_counter()
+  run_once()
+  first = time.perf_counter() - start
+  print(json.dumps({"ready": True, "devices": jax.device_count(), "jax": jax.__version__,
+                    "first_seconds": first}), flush=True)
   for line in sys.stdin:
     if line.strip() != "go":
       break
     start = time.perf_counter()
-    for batch in batches[1:]:
-      state, metrics = step_fn(state, None, batch)
-    jax.block_until_ready(metrics)
+    for _ in range(_STEPS.value):
+      run_once()
     print(json.dumps({"seconds": (time.perf_counter() - start) / _STEPS.value}), flush=True)
+
+
+def _sft_program(config):
+  """One update step per call, on the next of `steps_per_round` + 1 prepared batches (cycled)."""
+  import jax
+
+  step_fn, state, batches = _sft_step_module().build_step(config, _STEPS.value + 1)
+  holder = {"state": state, "i": 0}
+
+  def run_once():
+    batch = batches[holder["i"] % len(batches)]
+    holder["i"] += 1
+    holder["state"], metrics = step_fn(holder["state"], None, batch)
+    jax.block_until_ready(metrics)
+
+  return run_once
+
+
+def _sampler_program(config):
+  """The decoder step or the whole sampler on random parameters and prompts (the programs'
+  cost does not depend on the weights' values, except the sampler's adaptive stop: the same
+  seeds in every tree, so every tree runs the same number of passes)."""
+  import jax
+  import jax.numpy as jnp
+
+  from diffgemma.model import network
+  from diffgemma.model.config import ModelConfig
+  from diffgemma.sampling import sampler
+
+  cfg = ModelConfig(**config.model.to_dict())
+  params = network.init_params(cfg, jax.random.PRNGKey(0))
+  prompt_len = int(config.get("data", {}).get("prompt_len", 81))
+  b, c = _BATCH.value, cfg.canvas_length
+  prompt = jax.random.randint(jax.random.PRNGKey(1), (b, prompt_len), 3, cfg.vocab_size)
+  valid = jnp.ones((b, prompt_len), bool)
+  if _PROGRAM.value == "generate":
+    fields = {f for f in sampler.SamplerConfig.__dataclass_fields__}
+    sampler_cfg = sampler.SamplerConfig(**{k: v for k, v in config.sampler.to_dict().items()
+                                           if k in fields})
+    generate_fn = sampler.make_generate_fn(cfg, sampler_cfg)
+    return lambda: jax.block_until_ready(generate_fn(params, prompt, valid,
+                                                     jax.random.PRNGKey(2)))
+  cache = network.init_cache(cfg, b, prompt_len + c)
+  _, cache = jax.jit(network.encode, static_argnums=1)(params, cfg, prompt, cache, valid)
+  canvas = jax.random.randint(jax.random.PRNGKey(3), (b, c), 3, cfg.vocab_size)
+  decode = jax.jit(network.decode, static_argnums=1)
+  return lambda: jax.block_until_ready(decode(params, cfg, canvas, cache))
 
 
 def _source_tree(source: str, scratch: str) -> tuple[str, str]:
@@ -110,7 +169,7 @@ def parent():
     source, _, env = rest.partition(":")
     variants.append((label, source or ".", env))
   scratch = tempfile.mkdtemp(prefix="step_ab_")
-  trees, processes, kept = [], [], []
+  trees, processes, kept, firsts = [], [], [], []
   try:
     for label, source, env in variants:
       directory, commit = _source_tree(source, scratch)
@@ -120,7 +179,8 @@ def parent():
       process = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), f"--child={directory}",
            f"--config={_CONFIG.value}", f"--config_overrides={_OVERRIDES.value}",
-           f"--steps_per_round={_STEPS.value}"],
+           f"--steps_per_round={_STEPS.value}", f"--program={_PROGRAM.value}",
+           f"--batch={_BATCH.value}"],
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=directory,
           env={**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
               p for p in (directory, os.environ.get("PYTHONPATH")) if p)})
@@ -132,6 +192,7 @@ def parent():
       info = json.loads(line)
       print(f"{label}: {source} at {commit}, env {env or '-'}, {info['devices']} device(s), "
             f"jax {info['jax']}", flush=True)
+      firsts.append(info["first_seconds"])
       processes.append(process)
       kept.append((label, source, env))
     times = [[] for _ in processes]
@@ -149,13 +210,14 @@ def parent():
     shutil.rmtree(scratch, ignore_errors=True)
   variants = kept
   medians = [float(np.median(t)) for t in times]
-  print(f"{os.path.basename(_CONFIG.value)} {_OVERRIDES.value}: {_ROUNDS.value} interleaved "
-        f"rounds of {_STEPS.value} steps, median ms per step, speedup over {variants[0][0]}; "
-        f"{os.cpu_count()} CPUs")
-  for (label, _, _), seconds, record in zip(variants, medians, times):
+  what = _PROGRAM.value + (f" batch {_BATCH.value}" if _PROGRAM.value != "sft_step" else "")
+  print(f"{os.path.basename(_CONFIG.value)} {what} {_OVERRIDES.value}: {_ROUNDS.value} "
+        f"interleaved rounds of {_STEPS.value} calls, median ms per call, speedup over "
+        f"{variants[0][0]}, compile (first call less the median); {os.cpu_count()} CPUs")
+  for (label, _, _), seconds, record, first in zip(variants, medians, times, firsts):
     spread = (min(record) * 1e3, max(record) * 1e3)
     print(f"  {seconds * 1e3:8.1f} ms ({spread[0]:.0f}-{spread[1]:.0f})  "
-          f"{medians[0] / seconds:5.2f}x  {label}")
+          f"{medians[0] / seconds:5.2f}x  compile {first - seconds:6.1f} s  {label}")
 
 
 def main(argv):

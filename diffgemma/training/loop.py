@@ -11,6 +11,7 @@ deadline, preemption, the non-finite guard), and the close.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import time
@@ -313,11 +314,11 @@ def _save_and_wait(workdir: str, step: int, state) -> None:
 def _too_slow(calibration: budget.Calibration, train_cfg) -> str:
   """One line: this machine fits fewer steps than the recipe needs, and the minutes that would."""
   per_step = (60 * train_cfg.max_train_minutes) / max(calibration.num_train_steps, 1)
-  minutes = train_cfg.min_useful_steps * per_step / 60
+  minutes = math.ceil(train_cfg.min_useful_steps * per_step / 60)
   return (f"warning: this machine fits {calibration.num_train_steps} steps in "
           f"max_train_minutes={train_cfg.max_train_minutes:g}, fewer than the "
           f"{train_cfg.min_useful_steps} this recipe needs for a useful result: set "
-          f"--config.max_train_minutes={minutes:.0f} or more")
+          f"--config.max_train_minutes={minutes} or more")
 
 
 def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: Task, workdir: str,
