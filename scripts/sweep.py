@@ -26,6 +26,10 @@ _GRID = flags.DEFINE_multi_string(
     "value may contain a comma); repeat for more keys: the sweep runs the cross product.")
 _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE applied to every point (repeatable).")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Points trained at the same time.")
+_CORES = flags.DEFINE_list(
+    "cores", [], "CPU cores to pin the points to, one core per running point (e.g. 0,1: two "
+    "points side by side, each on its own core, for comparisons at equal wall time); implies "
+    "--parallel=len(cores) unless --parallel is smaller.")
 _INIT_FROM = flags.DEFINE_string("init_from", None, "Passed to every train.py (a new run starts "
                                  "from this checkpoint).")
 _EVAL_DATA = flags.DEFINE_string(
@@ -45,6 +49,15 @@ def main(argv):
                         "--root=runs/ablate --grid optimizer.lr=1e-3,3e-3")
   if _PARALLEL.value < 1:
     raise cli.UserError(f"--parallel must be >= 1, got {_PARALLEL.value}")
+  try:
+    cores = [int(c) for c in _CORES.value]
+  except ValueError:
+    raise cli.UserError(f"--cores={','.join(_CORES.value)}: expected core numbers, e.g. 0,1")
+  available = os.sched_getaffinity(0)
+  if any(c not in available for c in cores) or len(set(cores)) != len(cores):
+    raise cli.UserError(f"--cores={','.join(_CORES.value)}: give distinct cores among "
+                        f"{sorted(available)}")
+  parallel = len(cores) if cores and not flags.FLAGS["parallel"].present else _PARALLEL.value
   if _EVAL_LIMIT.value is not None and _EVAL_LIMIT.value <= 0:
     raise cli.UserError(f"--eval_limit must be positive, got {_EVAL_LIMIT.value}")
   out = os.path.join(_ROOT.value, "compare.png") if _OUT.value is None else _OUT.value
@@ -64,18 +77,19 @@ def main(argv):
   print(f"sweep: {len(points)} points under {_ROOT.value}: {counts[sweep.FINISHED]} finished, "
         f"{counts[sweep.RESUME]} to resume, {counts[sweep.NEW]} new"
         + (f", {counts[sweep.RUNNING]} being trained by another process (left alone)"
-           if counts[sweep.RUNNING] else "") + f"; {_PARALLEL.value} at a time", flush=True)
+           if counts[sweep.RUNNING] else "") + f"; {parallel} at a time"
+        + (f", one core each ({','.join(map(str, cores))})" if cores else ""), flush=True)
 
   jobs = [sweep.Job(p.name, sweep.train_command(_CONFIG.value, p, sets, _INIT_FROM.value),
                     os.path.join(p.workdir, sweep.LOG_NAME),
                     on_exit=lambda rc, w=p.workdir: sweep.describe_end(w))
           for p in points if p.status in (sweep.RESUME, sweep.NEW)]
-  codes = sweep.run_jobs(jobs, _PARALLEL.value, out=lambda line: print(line, flush=True))
+  codes = sweep.run_jobs(jobs, parallel, out=lambda line: print(line, flush=True), cores=cores)
   if _EVAL_DATA.value:
     eval_jobs = [j for j in (sweep.eval_job(p, _EVAL_DATA.value, _EVAL_LIMIT.value)
                              for p in points if codes.get(p.name, 0) == 0) if j is not None]
-    codes.update(sweep.run_jobs(eval_jobs, _PARALLEL.value,
-                                out=lambda line: print(line, flush=True)))
+    codes.update(sweep.run_jobs(eval_jobs, parallel, out=lambda line: print(line, flush=True),
+                                cores=cores))
 
   runs = compare.load_runs([p.workdir for p in points
                             if os.path.isfile(os.path.join(p.workdir, "config.json"))])

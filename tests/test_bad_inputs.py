@@ -636,7 +636,7 @@ HAND_PICKED = [
     (["eval.py", "--workdir={run}", "--data={tmp}/empty.csv"], "empty"),
     (["eval.py", "--workdir={run}", "--data={tmp}/none.csv"], "no examples"),
     (["eval.py", "--workdir={run}", "--data={csv}", "--sampler.t_maxx=1"], "t_maxx"),
-    (["eval.py", "--workdir={run}", "--data={csv}", "--sweep=sampler.t_max=a"], "t_max"),
+    (["eval.py", "--workdir={run}", "--data={csv}", "--scan=sampler.t_max=a"], "t_max"),
     (["sample.py", "--workdir={run}", "--puzzle=55" + "." * 79], "given twice"),
     (["sample.py", "--workdir={run}", "--puzzle=12345678." + "." * 8 + "9" + "." * 63],
      "no solution"),

@@ -105,7 +105,7 @@ def test_import_places_each_tensor_on_its_sharding(saved_reference):
 
 _TWO_DEVICE_IMPORT = """
 import os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import chex; chex.set_n_cpu_devices(2)  # two simulated host devices, before jax starts
 import jax, numpy as np
 from diffgemma.io import model_dirs
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))

@@ -6,7 +6,7 @@ from tests.helpers import run
 
 _PRELUDE = """
 import os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import chex; chex.set_n_cpu_devices(2)  # two simulated host devices, before jax starts
 sys.path.insert(0, os.getcwd())
 import jax, jax.numpy as jnp, numpy as np
 from diffgemma.model import lora, network, sharding

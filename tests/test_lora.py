@@ -244,7 +244,7 @@ def test_qlora_run_quantizes_its_base_on_load_and_resumes(base_run, tmp_path):
 
 _TWO_DEVICES = """
 import os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import chex; chex.set_n_cpu_devices(2)  # two simulated host devices, before jax starts
 sys.path.insert(0, os.getcwd())
 import numpy as np
 from tests.helpers import sharded_sft_losses as losses

@@ -525,7 +525,7 @@ def test_lora_sdrl_trains_only_the_adapters(tmp_path):
 
 _ONE_AND_TWO_DEVICES = """
 import os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import chex; chex.set_n_cpu_devices(2)  # two simulated host devices, before jax starts
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
 from diffgemma.training import loop, training_state

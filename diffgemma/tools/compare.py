@@ -191,8 +191,8 @@ def final_and_best(series: Series | None, tag: str) -> tuple[float, float] | Non
 
 
 def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
-  """(header, rows): the run's directory name, the differing config keys, final / best of each
-  eval metric some run logged, held-out results, logged steps, wall minutes, median training
+  """(header, rows), best run first (`ranked`): the run's directory name, the differing config
+  keys, final / best of each eval metric some run logged, held-out results, logged steps, wall minutes, median training
   tokens/s (the median skips the first window, which includes compilation)."""
   keys = differing_keys(runs)
   metrics = [t for t in eval_metrics(runs) if any(t in run.series for run in runs)]
@@ -200,6 +200,7 @@ def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
              for m in heldout_metrics(runs, name)]
   header = (["run"] + keys + [f"{t.removeprefix('eval/')} final / best" for t in metrics]
             + [f"{name}: {m}" for name, m in heldout] + ["steps", "minutes", "tokens/s"])
+  runs = ranked(runs, heldout[0] if heldout else None, metrics[0] if metrics else None)
   rows = []
   for run in runs:
     row = [run.name] + [format_value(run.config.get(k)) for k in keys]
@@ -214,6 +215,23 @@ def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
             "-" if throughput is None else f"{np.median(throughput.value_N):.0f}"]
     rows.append(row)
   return header, rows
+
+
+def ranked(runs: list[Run], heldout: tuple[str, str] | None, tag: str | None) -> list[Run]:
+  """Best first: by the first held-out result (name, metric) where runs have one, else by the
+  final value of the first eval metric (the runs' headline); runs without it last, in order."""
+  lower = (heldout[1] if heldout else tag) in LOWER_IS_BETTER
+
+  def value(run):
+    if heldout is not None:
+      return run.heldout.get(heldout[0], {}).get(heldout[1])
+    fb = final_and_best(run.series.get(tag), tag) if tag else None
+    return None if fb is None else fb[0]
+
+  scored = [(value(run), i, run) for i, run in enumerate(runs)]
+  known = sorted((s for s in scored if s[0] is not None),
+                 key=lambda s: (s[0] if lower else -s[0], s[1]))
+  return [run for _, _, run in known] + [run for v, _, run in scored if v is None]
 
 
 def headline_metric(result: dict) -> str | None:

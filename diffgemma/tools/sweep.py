@@ -164,26 +164,35 @@ class Job:
   on_exit: Callable[[int], str] | None = None  # rc -> a line for the user
 
 
-def run_jobs(jobs: list[Job], parallel: int, out=print) -> dict[str, int]:
+def run_jobs(jobs: list[Job], parallel: int, out=print, cores: list[int] | None = None
+             ) -> dict[str, int]:
   """Run the jobs, at most `parallel` at a time, each writing its output to its log (appended);
-  returns {name: exit code}. Ctrl-C interrupts the running ones (each saves nothing past its
-  last checkpoint; a rerun resumes there) and re-raises."""
+  returns {name: exit code}. With `cores`, each running job is pinned to one of them (a free
+  one; at most len(cores) at a time), so points timed side by side get one core each. Ctrl-C
+  interrupts the running ones (each saves nothing past its last checkpoint; a rerun resumes
+  there) and re-raises."""
   pending, active, codes = list(jobs), {}, {}
   total = len(jobs)
+  if cores:
+    parallel = min(parallel, len(cores))
   try:
     while pending or active:
       while pending and len(active) < parallel:
         job = pending.pop(0)
+        busy = {entry[5] for entry in active.values()}
+        core = next((c for c in cores if c not in busy), None) if cores else None
         os.makedirs(os.path.dirname(job.log_path), exist_ok=True)
         log = open(job.log_path, "a")
         log.write(f"\n=== {provenance.now()} {shlex.join(job.command)}\n")
         log.flush()
         stdout = open(job.stdout_path, "w") if job.stdout_path else log
+        pin = None if core is None else (lambda c=core: os.sched_setaffinity(0, {c}))
         proc = subprocess.Popen(job.command, stdout=stdout, stderr=log,
-                                stdin=subprocess.DEVNULL)
-        active[job.name] = (job, proc, log, stdout, time.time())
-        out(f"[{len(codes) + len(active)}/{total}] started {job.name} (log: {job.log_path})")
-      for name, (job, proc, log, stdout, start) in list(active.items()):
+                                stdin=subprocess.DEVNULL, preexec_fn=pin)
+        active[job.name] = (job, proc, log, stdout, time.time(), core)
+        out(f"[{len(codes) + len(active)}/{total}] started {job.name}"
+            + ("" if core is None else f" on core {core}") + f" (log: {job.log_path})")
+      for name, (job, proc, log, stdout, start, _) in list(active.items()):
         rc = proc.poll()
         if rc is None:
           continue
