@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from diffgemma import errors
-from diffgemma.runs import provenance, training_state
-from diffgemma.training import budget, loop
+from diffgemma.runs import provenance
+from diffgemma.training import budget, loop, training_state
 from tests.helpers import tiny_sudoku_config
 
 
