@@ -64,16 +64,27 @@ def main(argv):
     _main(stop)
 
 
-def _grace_expired() -> str:
-  """The line for a stop that outlived --preemption_grace_s (run on the watcher thread)."""
+def _last_checkpoint() -> str:
+  """Where a rerun resumes, read from the disk now: the line's end when a run ends on a failure
+  (a stop past its grace period, another process of the run lost)."""
   from diffgemma.runs import checkpointing
 
   workdir = _WORKDIR.value or ""
   step = checkpointing.latest_step(workdir) if workdir else None
-  last = (f"the last complete checkpoint is step {step} in {checkpointing.checkpoint_dir(workdir)}"
+  return (f"the last complete checkpoint is step {step} in {checkpointing.checkpoint_dir(workdir)}"
           if step is not None else "no checkpoint was complete")
-  return (f"the stop did not finish within --preemption_grace_s={_GRACE_S.value:g}; {last}; "
-          "rerun the same command to resume from it (or raise --preemption_grace_s)")
+
+
+def _grace_expired() -> str:
+  """The line for a stop that outlived --preemption_grace_s (run on the watcher thread)."""
+  return (f"the stop did not finish within --preemption_grace_s={_GRACE_S.value:g}; "
+          f"{_last_checkpoint()}; rerun the same command to resume from it (or raise "
+          "--preemption_grace_s)")
+
+
+def _resume_point() -> str:
+  """The end of the line when another process of the run is lost (distributed.lost)."""
+  return f"{_last_checkpoint()}; rerun the same command to resume from it"
 
 
 def _main(stop: preemption.Preemption | None):
@@ -83,7 +94,7 @@ def _main(stop: preemption.Preemption | None):
     simulate_devices(_CONFIG.value)
   elif not _WORKDIR.value:
     raise cli.UserError("--workdir is required, e.g. --workdir=/tmp/sudoku")
-  distributed.initialize_from_flags()
+  distributed.initialize_from_flags(resume_point=_resume_point)
   from diffgemma.training import memory_plan, loop  # after flag parsing, so bad flags fail fast
 
   if _DRY_RUN.value:

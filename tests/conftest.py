@@ -81,11 +81,11 @@ hypothesis.settings.load_profile("diffgemma")
 # The files that take longest (minutes of subprocess training and compiles), in that order: they
 # are collected first, so `--dist loadfile` hands them out first and the short files fill the
 # other worker's time around them instead of one long file ending the run alone.
-LONGEST_FIRST = ("test_lora.py", "test_many_hosts.py", "test_sdrl.py", "test_ablation.py",
-                 "test_quantize.py", "test_checkpoint_io.py", "test_reliability.py",
-                 "test_tokenizer.py", "test_chat_training.py", "test_gpu_suite.py",
-                 "test_training.py", "test_nemo_parity.py", "test_bad_inputs.py",
-                 "test_optimized.py")
+LONGEST_FIRST = ("test_lora.py", "test_many_hosts.py", "test_host_failures.py", "test_sdrl.py",
+                 "test_ablation.py", "test_quantize.py", "test_checkpoint_io.py",
+                 "test_reliability.py", "test_tokenizer.py", "test_chat_training.py",
+                 "test_gpu_suite.py", "test_training.py", "test_nemo_parity.py",
+                 "test_bad_inputs.py", "test_optimized.py")
 
 
 def pytest_collection_modifyitems(items):

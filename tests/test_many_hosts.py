@@ -26,6 +26,9 @@ from tests.helpers import ROOT, load_script
 
 STEPS, EVERY = 8, 2
 HEARTBEAT_S = 10  # the watchdog's timeout in these runs (the default is 30 s)
+# After the heartbeat timeout: the watchdog's next look (a beat interval), the exit, and a
+# loaded core's scheduling.
+LOST_MARGIN_S = 8
 RUN_TIMEOUT_S = 400
 FLAGS = ("--config=tests/tiny_sudoku_config.py", f"--config.num_train_steps={STEPS}",
          f"--config.checkpoint_every={EVERY}", f"--config.keep_checkpoints={STEPS}",
@@ -244,8 +247,10 @@ def test_a_config_that_differs_between_processes_is_refused(tmp_path):
 
 def test_a_killed_process_stops_the_other_and_a_rerun_resumes(reference, tmp_path):
   """A one-process run's checkpoint continues in 2 processes; one of them is killed (kill -9)
-  mid-run; the other stops within 60 s with one line; a rerun resumes and ends where the
-  uninterrupted run ends."""
+  mid-run; the other stops within the heartbeat timeout and LOST_MARGIN_S with one line naming
+  it and the last complete checkpoint; a rerun resumes and ends where the uninterrupted run
+  ends. (tests/test_host_failures.py: the coordinator killed, a peer stopped, SIGTERM mid-step
+  and mid-save, a full disk.)"""
   workdir = without_steps_after(reference, EVERY, tmp_path / "run")
   port = launcher.free_port()
   procs = [start_process(i, 2, port, workdir) for i in range(2)]
@@ -257,7 +262,7 @@ def test_a_killed_process_stops_the_other_and_a_rerun_resumes(reference, tmp_pat
       time.sleep(0.005)
     os.kill(procs[1].pid, signal.SIGKILL)
     killed = time.monotonic()
-    stdout, stderr = procs[0].communicate(timeout=60 + 30)
+    stdout, stderr = procs[0].communicate(timeout=HEARTBEAT_S + LOST_MARGIN_S + 30)
     took = time.monotonic() - killed
   finally:
     for p in procs:
@@ -265,13 +270,16 @@ def test_a_killed_process_stops_the_other_and_a_rerun_resumes(reference, tmp_pat
         p.kill()
         p.communicate()
   assert f"resumed from step {EVERY}" in stdout
-  assert took < 60, took
+  assert took < HEARTBEAT_S + LOST_MARGIN_S, took
   lines = [l for l in stderr.splitlines() if l.strip() and not PROGRESS.match(l)]
   assert len(lines) == 1, stderr
-  assert lines[0].startswith("error: process 1 of 2 is gone"), lines
-  assert procs[0].returncode == 4, procs[0].returncode
   last = checkpointing.latest_step(workdir)
   assert 2 * EVERY <= last < STEPS, last  # the kill came mid-run
+  assert lines[0].startswith("error: process 1 of 2 is gone"), lines
+  assert lines[0].endswith(f"; stopping process 0; the last complete checkpoint is step {last} "
+                           f"in {checkpointing.checkpoint_dir(workdir)}; rerun the same command "
+                           "to resume from it"), lines
+  assert procs[0].returncode == 4, procs[0].returncode
   out = launch(workdir, 2)
   assert f"[0] resumed from step {last}" in out.stdout
   assert_same_state(workdir, reference)

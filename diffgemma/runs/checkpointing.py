@@ -38,6 +38,7 @@ DAMAGED_DIR = "damaged_checkpoints"
 CONFIG_FILE = "config.json"
 # Characters of a library error message kept in a one-line notice.
 ERROR_TEXT_CHARS = 160
+DISK_FULL = "disk full (No space left on device)"
 
 
 class CheckpointError(errors.InputError, FileNotFoundError):
@@ -230,7 +231,7 @@ def describe_os_error(e: BaseException) -> str:
   text = str(e)
   if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in text or (
       "os_error_code='28'" in text):
-    return "disk full (No space left on device)"
+    return DISK_FULL
   if isinstance(e, OSError) and e.strerror:
     return e.strerror
   return _short(e)
@@ -271,12 +272,15 @@ class _write_errors:
     step = pending[-1] if pending else self.step
     what = f"checkpoint step {step}" if step is not None else "a checkpoint"
     _settle(self.mngr)
-    # A multi-process save is collective: a peer killed mid-save fails it here ("Connection
-    # reset by peer"); the watchdog names the lost peer then, which is the line to print.
-    distributed.wait_for_lost()
+    reason = describe_os_error(e)
+    if reason != DISK_FULL:
+      # A multi-process save is collective: a peer killed mid-save fails it here ("Connection
+      # reset by peer"); the watchdog names the lost peer then, which is the line to print. A
+      # full disk is this process's own failure: no peer to wait for.
+      distributed.wait_for_lost()
     last = latest_step(workdir)
     raise CheckpointWriteError(
-        f"could not write {what} in {directory}: {describe_os_error(e)}; the last complete "
+        f"could not write {what} in {directory}: {reason}; the last complete "
         "checkpoint is " + (f"step {last}" if last is not None else "none")
         + "; fix the cause and rerun the same command to resume") from None
 

@@ -20,9 +20,14 @@ the single-host code. On CPUs the collectives go through gloo. What else this mo
               every process; `agree_any`: a reason any process raised (a stop signal), learned
               by every process at the same call (so all of them stop at the same step);
   watchdog    each process beats in the coordinator's key-value store; when one stops beating
-              (killed, crashed, its machine gone) for `heartbeat_timeout_s`, every other process
-              prints one line naming it and exits with LOST_EXIT_CODE: none hangs on a collective.
-              A rerun of the same command resumes from the last complete checkpoint.
+              (killed, stopped, crashed, its machine gone) for `heartbeat_timeout_s`, or ends
+              with an error, every other process prints one line naming it (and, in train.py,
+              the last complete checkpoint: `resume_point`) and exits with LOST_EXIT_CODE: none
+              hangs on a collective. A rerun of the same command resumes from the last
+              complete checkpoint. The exception: when the coordinator's process itself dies,
+              JAX's client sees it first (its poll of the coordination service fails at once)
+              and aborts the process with its own multi-line fatal log; JAX 0.10's client takes
+              a callback for that, but cannot pass it the status from Python (std::bad_cast).
 
 The key-value store is the one `jax.distributed` starts on process 0 (JAX's own client; its
 Python handle is `jax._src.distributed.global_state.client`, used here and nowhere else).
@@ -138,24 +143,30 @@ def _int_env(env, name: str) -> int | None:
     raise errors.ConfigError(f"{name}={value!r} is not an integer") from None
 
 
-def initialize_from_flags() -> bool:
+def initialize_from_flags(resume_point: Callable[[], str] | None = None) -> bool:
   """Start the multi-process runtime if the flags or the environment ask for it (before any
-  device is touched); True if this is a multi-process run."""
+  device is touched); True if this is a multi-process run. `resume_point`: see `initialize`."""
   values = flags.FLAGS
   given = settings(values.distributed, values.coordinator_address, values.num_processes,
                    values.process_id)
   if given is None:
     return False
-  initialize(heartbeat_timeout_s=flags.FLAGS.heartbeat_timeout_s, **given)
+  initialize(heartbeat_timeout_s=flags.FLAGS.heartbeat_timeout_s, resume_point=resume_point,
+             **given)
   return _jax().process_count() > 1
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None,
-               heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+               heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
+               resume_point: Callable[[], str] | None = None) -> None:
   """jax.distributed.initialize (None everywhere: the cluster's auto-detection), gloo
-  collectives on CPUs, no JAX preemption service, one voice, and the watchdog."""
+  collectives on CPUs, no JAX preemption service, one voice, and the watchdog.
+  `resume_point()`: the end of the line a process prints when another one is lost, read then
+  (train.py: the last complete checkpoint and how to resume from it)."""
   jax = _jax()
+  if resume_point is not None:
+    _resume["point"] = resume_point
   if heartbeat_timeout_s < 2 * HEARTBEAT_INTERVAL_S:
     raise errors.ConfigError(f"--heartbeat_timeout_s={heartbeat_timeout_s} is too short; use "
                              f">= {int(2 * HEARTBEAT_INTERVAL_S)}")
@@ -407,7 +418,7 @@ class _Watchdog(threading.Thread):
           seen[other] = (value, now)
         elif now - last[1] > self.timeout_s:
           lost(f"{_describe(other)} is gone: not heard from for {self.timeout_s} s (killed, "
-               "crashed, or its host is down)")
+               "stopped, crashed, or its host is down)")
       self.ended.wait(HEARTBEAT_INTERVAL_S)
 
   def others_settled(self) -> bool:
@@ -426,19 +437,25 @@ class _Watchdog(threading.Thread):
 
 _watchdog: dict = {"current": None}
 _lost = threading.Lock()
+_resume: dict = {"point": lambda: "rerun the same command"}  # see `initialize`
 
 
 def lost(reason: str) -> None:
-  """Print the one line and end this process now (no shutdown barrier: it would wait for the
-  lost process); nothing while this process is ending on its own error."""
+  """Print the one line (the lost process, then `resume_point`) and end this process now (no
+  shutdown barrier: it would wait for the lost process); nothing while this process is ending
+  on its own (its own error, or its normal end)."""
   watchdog = _watchdog["current"]
-  if watchdog is not None and watchdog.stopping:
+  if watchdog is not None and (watchdog.stopping or watchdog.ended.is_set()):
     return
   with _lost:
-    watchdog.finish(FAILED)  # a process waiting for this one to settle need not wait
+    if watchdog is not None:
+      watchdog.finish(FAILED)  # a process waiting for this one to settle need not wait
+    try:
+      resume = _resume["point"]()
+    except Exception as e:  # noqa: BLE001 -- the line must come out whatever the disk says
+      resume = f"rerun the same command ({errors.one_line(e)[:80]})"
     sys.stdout.flush()
-    errors.print_error(f"{reason}; stopping process {_jax().process_index()}. Rerun the same "
-                       "command to resume from the last complete checkpoint")
+    errors.print_error(f"{reason}; stopping process {_jax().process_index()}; {resume}")
     os._exit(LOST_EXIT_CODE)
 
 
