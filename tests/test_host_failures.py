@@ -32,6 +32,10 @@ from tests.helpers import ROOT
 from tests.test_many_hosts import (PROGRESS, RUN_TIMEOUT_S, assert_same_state, env, launcher,
                                    one_process_env, without_steps_after)
 
+# The slow tier (`pytest -m slow`, run by CI after the suite): several processes or
+# optimised compiles per test.
+pytestmark = pytest.mark.slow
+
 STEPS = 14  # enough for the six cases, each one or two steps on from the last
 HEARTBEAT_S = 5  # the watchdog's timeout in these runs (--heartbeat_timeout_s)
 MARGIN_S = 8

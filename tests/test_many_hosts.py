@@ -24,6 +24,10 @@ from diffgemma.runs import checkpointing
 from diffgemma.training import training_state
 from tests.helpers import ROOT, load_script
 
+# The slow tier (`pytest -m slow`, run by CI after the suite): several processes or
+# optimised compiles per test.
+pytestmark = pytest.mark.slow
+
 STEPS, EVERY = 8, 2
 HEARTBEAT_S = 10  # the watchdog's timeout in these runs (the default is 30 s)
 # After the heartbeat timeout: the watchdog's next look (a beat interval), the exit, and a

@@ -14,7 +14,13 @@ The training runs use a 1-layer model: they check state, checkpoints and shardin
 architecture, and each optimised compile of the train step costs tens of seconds.
 """
 
+import pytest
+
 from tests.helpers import run
+
+# The slow tier (`pytest -m slow`, run by CI after the suite): several processes or
+# optimised compiles per test.
+pytestmark = pytest.mark.slow
 
 _OPTIMIZED = """
 import os, sys

@@ -13,7 +13,7 @@ from diffgemma.model.config import FULL, SLIDING, ModelConfig
 
 # Layer 0 sliding (window 3: sees 2 prefix slots), layer 1 full (sees all 5).
 TINY = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=2, num_heads=2,
-                   num_kv_heads=1, head_dim=3, global_head_dim=5, num_global_kv_heads=1,
+                   num_kv_heads=1, head_dim=2, global_head_dim=6, num_global_kv_heads=1,
                    sliding_window=3, layer_types=(SLIDING, FULL), num_experts=4, top_k_experts=2,
                    moe_intermediate_size=2, canvas_length=2)
 
@@ -21,28 +21,28 @@ TINY = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=6, num_layers
 def test_counts_of_a_tiny_step_by_hand():
   cost = roofline.step_cost(TINY, batch=1, prefix=5, experts_per_layer=3, weight_bytes=2,
                             value_bytes=2)
-  # Layer 0: q 4*2*3 + o 24 + k 4*1*3 + v 12 = 72; mlp 3*4*6 = 72; router 4*4 = 16.
-  # Layer 1: q 4*2*5 + o 40 + k 4*1*5 (values from keys) = 100; mlp 72; router 16.
-  # Self-conditioning MLP 72. Dense: 160 + 188 + 72 = 420 parameters, 2 bytes each.
-  assert cost["bytes_dense"] == 840
+  # Layer 0: q 4*2*2 + o 16 + k 4*1*2 + v 8 = 48; mlp 3*4*6 = 72; router 4*4 = 16.
+  # Layer 1: q 4*2*6 + o 48 + k 4*1*6 (values from keys) = 120; mlp 72; router 16.
+  # Self-conditioning MLP 72. Dense: 136 + 208 + 72 = 416 parameters, 2 bytes each.
+  assert cost["bytes_dense"] == 832
   # One expert: 3 * 4 * 2 = 24 parameters; 3 experts in each of 2 layers.
   assert cost["bytes_experts"] == 2 * 3 * 24 * 2
   assert cost["bytes_embedding"] == 10 * 4 * 2
-  # K and V, batch 1: layer 0 reads 2 slots x 1 head x 3 dims, layer 1 5 x 1 x 5.
-  assert cost["bytes_kv"] == 2 * (2 * 3 + 5 * 5) * 2
-  # 2 canvas tokens: dense 2*2*(160+188+72); experts 2*2 tokens*k 2*24*2 layers.
-  assert cost["flops_dense"] == 2 * 2 * 420
+  # K and V, batch 1: layer 0 reads 2 slots x 1 head x 2 dims, layer 1 5 x 1 x 6.
+  assert cost["bytes_kv"] == 2 * (2 * 2 + 5 * 6) * 2
+  # 2 canvas tokens: dense 2*2*(136+208+72); experts 2*2 tokens*k 2*24*2 layers.
+  assert cost["flops_dense"] == 2 * 2 * 416
   assert cost["flops_experts"] == 2 * 2 * 2 * 24 * 2
-  # Scores + values, 2 tokens x 2 heads: layer 0 hd 3 over 2 + 2 keys, layer 1 hd 5 over 2 + 5.
-  assert cost["flops_attention"] == 2 * 2 * 2 * 2 * (3 * 4 + 5 * 7)
+  # Scores + values, 2 tokens x 2 heads: layer 0 hd 2 over 2 + 2 keys, layer 1 hd 6 over 2 + 5.
+  assert cost["flops_attention"] == 2 * 2 * 2 * 2 * (2 * 4 + 6 * 7)
   assert cost["flops_lm_head"] == 2 * 2 * 10 * 4
-  assert cost["flops_decoder"] == 1680 + 384 + 752 + 160
+  assert cost["flops_decoder"] == 1664 + 384 + 800 + 160
   # Sampling: probs @ E over 2 tokens, and the float32 [2, 10] logits read back.
   assert cost["flops_sampling"] == 2 * 2 * 10 * 4
   assert cost["bytes_sampling"] == 80 + 2 * 2 * 10 * 4
   # Commit: the decoder's layers without the LM head and the self-conditioning MLP.
-  assert cost["bytes_commit"] == (840 - 144) + 288 + 124
-  assert cost["flops_commit"] == (1680 - 288) + 384 + 752
+  assert cost["bytes_commit"] == (832 - 144) + 288 + 136
+  assert cost["flops_commit"] == (1664 - 288) + 384 + 800
 
 
 @pytest.mark.parametrize("cfg", [TINY, ModelConfig()], ids=["tiny", "26b_a4b"])
