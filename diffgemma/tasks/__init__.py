@@ -34,11 +34,17 @@ def tokenization_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
 
 def make_task(config: ml_collections.ConfigDict, training: bool = True,
               planning: bool = False) -> Task:
-  """The run's task, built from (and validating) its config sections; ValueError if bad.
-  `training=False` (evaluation, sampling): the task need not read its training data.
-  `planning` (--dry_run): only the layout and shapes matter; no data is read."""
-  return importlib.import_module(TASKS[task_name(config)]).from_config(
+  """The run's task, built from (and validating) its config sections, and checked against the
+  model's vocabulary; ValueError if bad. `training=False` (evaluation, sampling): the task need
+  not read its training data. `planning` (--dry_run): only the layout and shapes matter; no
+  data is read."""
+  task = importlib.import_module(TASKS[task_name(config)]).from_config(
       config, training and not planning, planning)
+  vocab_size = config.get("model", {}).get("vocab_size")
+  if vocab_size is not None and vocab_size < task.min_vocab_size:
+    raise ValueError(f"model.vocab_size={vocab_size} is too small for the task "
+                     f"(needs {task.min_vocab_size})")
+  return task
 
 
 def checkpoint_text_task(directory: str, max_new_tokens: int, text: str, chat: bool = True

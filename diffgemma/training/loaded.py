@@ -69,7 +69,7 @@ def open_run(workdir: str, eval_overrides: dict | None = None, **sampler_overrid
   `eval_overrides` set config.eval keys (e.g. a chat task's metric) before the task is built."""
   config = _with_eval_overrides(checkpointing.load_config(workdir), eval_overrides)
   run_cfg = _typed(config, workdir)
-  task = _task(config, run_cfg, workdir)
+  task = _task(config, workdir)
   return Run(config, run_cfg, task, _sampler(run_cfg, task, sampler_overrides), workdir, True)
 
 
@@ -82,7 +82,7 @@ def open_checkpoint(init_from: str, config, eval_overrides: dict | None = None,
     config.init_from = init_from  # a chat task's default tokenizer
   training_state.adopt_checkpoint_architecture(config, init_from)
   run_cfg = _typed(config, init_from)
-  task = _task(config, run_cfg, init_from)
+  task = _task(config, init_from)
   return Run(config, run_cfg, task, _sampler(run_cfg, task, sampler_overrides), init_from,
              False)
 
@@ -110,13 +110,9 @@ def _typed(config, where: str) -> run_config.RunConfig:
     raise checkpointing.CheckpointError(f"{where}: bad config: {errors.one_line(e)}") from None
 
 
-def _task(config, run_cfg: run_config.RunConfig, where: str) -> Task:
+def _task(config, where: str) -> Task:
   try:
-    task = make_task(config, training=False)
-    if run_cfg.model.vocab_size < task.min_vocab_size:
-      raise ValueError(f"model.vocab_size={run_cfg.model.vocab_size} is too small for the task "
-                       f"(needs {task.min_vocab_size})")
-    return task
+    return make_task(config, training=False)
   except errors.InputError:
     raise
   except (KeyError, TypeError, ValueError) as e:

@@ -108,9 +108,6 @@ def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
   try:
     run = run_config.build(config, **stages.stage_settings(config))
     task = make_task(config, planning=planning)
-    if run.model.vocab_size < task.min_vocab_size:
-      raise ValueError(f"model.vocab_size={run.model.vocab_size} is too small for the task "
-                       f"(needs {task.min_vocab_size})")
   except errors.InputError:
     raise
   except (KeyError, TypeError, ValueError) as e:
