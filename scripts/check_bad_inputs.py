@@ -125,11 +125,11 @@ def _train(paths: dict, *extra: str) -> None:
 
 def make_fixtures(tmp: str) -> dict:
   """A trained tiny run (steps 2 and 4), a CSV of puzzles, and paths for the cases."""
-  from diffgemma.tasks import sudoku_puzzles as sudoku
+  from diffgemma.tasks import sudoku_puzzles
 
   paths = {"tmp": tmp, "run": os.path.join(tmp, "run"), "csv": os.path.join(tmp, "p.csv")}
   _train(paths)
-  sudoku.write_csv(paths["csv"], *sudoku.generate_puzzles(0, 2, 40, 44))
+  sudoku_puzzles.write_csv(paths["csv"], *sudoku_puzzles.generate_puzzles(0, 2, 40, 44))
   return paths
 
 
@@ -214,9 +214,9 @@ def write_file(name: str, text: str) -> Callable[[dict], None]:
 
 
 def bad_solution_csv(paths: dict) -> None:
-  from diffgemma.tasks import sudoku_puzzles as sudoku
+  from diffgemma.tasks import sudoku_puzzles
 
-  puzzles, solutions = sudoku.generate_puzzles(1, 1, 40, 40)
+  puzzles, solutions = sudoku_puzzles.generate_puzzles(1, 1, 40, 40)
   quiz = "".join(map(str, puzzles[0]))
   solution = "".join(map(str, solutions[0]))
   solution = solution[:-1] + ("1" if solution[-1] != "1" else "2")

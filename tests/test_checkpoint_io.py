@@ -262,10 +262,10 @@ def test_convert_cli_and_init_from_a_converted_run(trained_run, tmp_path):
                      f"--to={tmp_path / 'x'}"), "not found")
   # eval.py evaluates a converted checkpoint under a task config (architecture from the
   # checkpoint); a config whose prompt vocabulary does not fit the model is refused.
-  from diffgemma.tasks import sudoku_puzzles as sudoku
+  from diffgemma.tasks import sudoku_puzzles
 
   csv = str(tmp_path / "puzzles.csv")
-  sudoku.write_csv(csv, *sudoku.generate_puzzles(7, 4, 40, 44))
+  sudoku_puzzles.write_csv(csv, *sudoku_puzzles.generate_puzzles(7, 4, 40, 44))
   r = run("eval.py", f"--init_from={orbax_dir}", f"--data={csv}", "--config=sft_sudoku",
           "--config.data.prompt_format=digits", "--config.sampler.max_denoising_steps=4",
           "--trajectory_stats")
@@ -322,11 +322,12 @@ def _record_restored_leaves(monkeypatch) -> list[str]:
 
 
 def test_eval_of_a_full_fine_tuning_workdir_reads_no_optimizer_state(trained_run, monkeypatch):
-  from diffgemma.runs import training_state, loaded
+  from diffgemma.runs import loaded
+  from tests.helpers import restore_run
 
   workdir = trained_run
   read = _record_restored_leaves(monkeypatch)
-  training_state.restore_run(workdir)  # the trainer's restore: the spy sees the optimizer state
+  restore_run(workdir)  # the trainer's restore: the spy sees the optimizer state
   assert any(name.startswith("opt_state") for name in read), sorted(set(read))[:10]
   read.clear()
   run = loaded.load_run(workdir)  # what eval.py and sample.py do

@@ -23,8 +23,6 @@ from diffgemma.sampling import sampler
 from diffgemma.training import losses, optimizer
 
 NONFINITE_POLICIES = ("stop", "skip")
-# Loss keys of configs written before `encoder_scope` existed.
-_LEGACY_LOSS_KEYS = ("encoder_loss_on_prompt",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,6 @@ import dataclasses
 
 import numpy as np
 
-# Keys of the config section `sdrl.reward` that the task reads (its verifier and credit).
-TASK_KEYS = ("name", "partial_credit", "partial_weight")
-
 
 @dataclasses.dataclass(frozen=True)
 class ShapingConfig:
