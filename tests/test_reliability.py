@@ -296,7 +296,7 @@ def test_a_failing_data_pipeline_is_one_line_naming_the_last_checkpoint(tmp_path
       raise sudoku_puzzles.SudokuGenerationError("could not make a puzzle (injected)")
     return real(seed, index, *args)
 
-  monkeypatch.setattr(sudoku, "generated_record", fails_at_step_4)
+  monkeypatch.setattr(sudoku_puzzles, "generated_record", fails_at_step_4)
   with pytest.raises(guard.RunFailure) as e:
     loop.train(config_of_run(), workdir)
   message = str(e.value)
