@@ -22,9 +22,8 @@ from ml_collections import config_flags  # noqa: E402
 from diffgemma import cli  # noqa: E402
 from diffgemma.runs import run_config, training_state, loaded
 from diffgemma.sampling import sampler
-from diffgemma.training import update_step
-from diffgemma.training.stages import sft
 from diffgemma.tasks import make_task  # noqa: E402
+from benchmarks.sft_step import build_step  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Optional trained run to sample from.")
@@ -34,12 +33,7 @@ _BATCH = flags.DEFINE_integer("batch_size", None, "Override the batch size.")
 
 def time_training(config, steps: int) -> float:
   """Seconds per training step after one compile step."""
-  setup = training_state.make_setup(run_config.build(config))
-  state = training_state.init_state(setup)
-  stage = sft.SftStage(None, make_task(config), setup)
-  step_fn = update_step.make_update_step(setup, stage.loss_fn)
-  stage.start(state, None, 0, os.getcwd())
-  batch_list = [stage.next_batch(i, state, None)[0] for i in range(steps + 1)]
+  step_fn, state, batch_list = build_step(config, steps + 1)
   state, metrics = step_fn(state, None, batch_list[0])
   jax.block_until_ready(metrics)
   start = time.perf_counter()
