@@ -41,7 +41,7 @@ import numpy as np
 from diffgemma.model import network, sharding
 from diffgemma.model.config import ModelConfig
 from diffgemma.runs import distributed, guard, training_state
-from diffgemma.sampling import sampler
+from diffgemma.sampling import evaluation, sampler
 from diffgemma.tasks.base import Prompts, RlTask
 from diffgemma.training import diffusion, losses, rewards
 
@@ -50,7 +50,6 @@ STATE_SELECTIONS = ("uniform", "first_k", "last_k", "all")
 ADVANTAGE_NORMS = ("group_std", "group_mean", "none")
 ANCHORS = ("none", "kl", "sft")
 CELL_WEIGHTINGS = ("none", "consistent")
-ROLLOUT_STATS = ("tokens_per_forward", "steps_per_canvas", "num_tokens")
 # Independent random streams of one step, folded into the run's key.
 _ROLLOUT_STREAM, _STATES_STREAM, _UPDATE_STREAM = range(3)
 
@@ -517,8 +516,10 @@ class SdrlStage:
     prompts = self._prompts(step // self.cfg.updates_per_rollout)
     out = self.generate_fn(params, prompts.prompt_NxP, prompts.valid_NxP,
                            stream_key(state["rng"], _ROLLOUT_STREAM, step))
-    # The whole rollout's tokens and stats on every process (rows may live on other hosts).
-    host = distributed.fetch({key: out[key] for key in ("tokens", *ROLLOUT_STATS)})
+    # The whole rollout's tokens and per-row stats (the evaluation's list) on every process
+    # (rows may live on other hosts).
+    host = distributed.fetch({key: out[key] for key in ("tokens", *evaluation.ROW_STATS)
+                              if key in out})
     tokens_BxL = np.asarray(host.pop("tokens"))
     t_rollout = time.perf_counter()
     stats = host
