@@ -11,8 +11,8 @@ import pytest
 
 from diffgemma import errors
 from diffgemma.runs import provenance
-from diffgemma.training import budget, loop, training_state
-from tests.helpers import tiny_sudoku_config
+from diffgemma.training import budget, loop
+from tests.helpers import restore_run, tiny_sudoku_config
 
 
 def brute_force_fit(seconds_left, start, sps, compile_s, eval_s, eval_every, ckpt_s, ckpt_every,
@@ -103,7 +103,7 @@ def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tm
   loop.train(given, explicit)
   states = {}
   for name, path in (("resumed", resumed), ("straight", straight), ("explicit", explicit)):
-    *_, states[name], _, step = training_state.restore_run(path)
+    *_, states[name], _, step = restore_run(path)
     assert step == 7, (name, step)
   jax.tree_util.tree_map(np.testing.assert_array_equal, states["resumed"], states["straight"])
   jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=0, atol=1e-6),
