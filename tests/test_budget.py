@@ -93,7 +93,7 @@ def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tm
       (0, 5, provenance.STOP_AT), (5, 7, provenance.NUM_TRAIN_STEPS)]
   fit_record = runs[0]["budget_fit"]
   assert fit_record["num_train_steps"] == 7 and fit_record["calibration_steps"] == 3
-  assert fit_record["seconds_per_step"] == pytest.approx(call["seconds_per_step"], rel=1e-3)
+  assert fit_record["seconds_per_step"] == round(call["seconds_per_step"], 4)  # as recorded
 
   straight = str(tmp_path / "straight")
   loop.train(config, straight)
