@@ -50,10 +50,9 @@ from diffgemma import cli
 from diffgemma.model import network, quantize
 from diffgemma.runs import provenance
 from diffgemma.sampling import sampler
-from diffgemma.training import run_config, training_state, update_step
-from diffgemma.training.stages import sft
 from diffgemma.tasks import make_task
 from diffgemma.model.config import FULL, SLIDING, ModelConfig, gemma_26b_a4b
+from sft_step import make_step  # benchmarks/sft_step.py, beside this script
 
 _OUT = flags.DEFINE_string("out", None, "Directory for gpu_suite.md and gpu_suite.json.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CI on a CPU).")
@@ -344,14 +343,8 @@ def section_lora(suite: Suite, cfg: ModelConfig, params, variants, repeats: int)
       batch = {"tokens": jnp.asarray(rng.integers(3, cfg.vocab_size, (1, seq_len)), jnp.int32),
                "valid": jnp.ones((1, seq_len), bool),
                "loss_mask": jnp.asarray(np.arange(seq_len)[None] >= p)}
-      setup = training_state.make_setup(run_config.build(config))
-      frozen = params
-      if setup.quantize_cfg is not None:
-        frozen = quantize.quantize_params(params, setup.quantize_cfg)
-      state = training_state.init_state(setup, frozen=frozen)
-      stage = sft.SftStage(None, task, setup)
-      compiled = update_step.make_update_step(setup, stage.loss_fn).lower(
-          state, frozen, batch).compile()
+      _, step_fn, state, frozen = make_step(config, frozen=params, task=task)
+      compiled = step_fn.lower(state, frozen, batch).compile()
       mem = compiled.memory_analysis()
       state = jax.block_until_ready(compiled(state, frozen, batch)[0])  # the state is donated
       times = []

@@ -1,4 +1,5 @@
-"""The SFT update step of a config, built for timing: shared by step_profile.py and step_ab.py.
+"""The SFT update step of a config, built for timing: the one builder of step_profile.py,
+step_ab.py, throughput.py and gpu_suite.py.
 
 diffgemma is imported inside the functions, so each of step_ab.py's processes builds the step
 from the code tree it times (its PYTHONPATH names that tree), while this file comes from the tree
@@ -13,11 +14,15 @@ import tempfile
 TIMED_SCHEDULE_STEPS = 4000
 
 
-def build_step(config, steps: int):
-  """(jitted update step, initial state, `steps` batches) of an SFT config."""
+def make_step(config, frozen=None, task=None):
+  """(stage, jitted update step, initial state, frozen base) of an SFT config: the training
+  loop's step on the default device placement (a fitted schedule timed as TIMED_SCHEDULE_STEPS).
+  `frozen`: a LoRA run's base parameters, quantized here when the config asks; `task`: the
+  config's task if already made."""
   if config.num_train_steps == 0:
     config = config.copy_and_resolve_references()
     config.num_train_steps = TIMED_SCHEDULE_STEPS
+  from diffgemma.model import quantize
   from diffgemma.tasks import make_task
   from diffgemma.training import update_step
   from diffgemma.training.stages import sft
@@ -28,9 +33,17 @@ def build_step(config, steps: int):
     from diffgemma.runs import run_config, training_state
 
   setup = training_state.make_setup(run_config.build(config))
-  state = training_state.init_state(setup)
-  stage = sft.SftStage(None, make_task(config), setup)
-  step_fn = update_step.make_update_step(setup, stage.loss_fn)
+  if frozen is not None and setup.quantize_cfg is not None:
+    frozen = quantize.quantize_params(frozen, setup.quantize_cfg)
+  state = (training_state.init_state(setup) if frozen is None  # as older trees call it
+           else training_state.init_state(setup, frozen=frozen))
+  stage = sft.SftStage(None, task or make_task(config), setup)
+  return stage, update_step.make_update_step(setup, stage.loss_fn), state, frozen
+
+
+def build_step(config, steps: int):
+  """(jitted update step, initial state, `steps` batches) of an SFT config."""
+  stage, step_fn, state, _ = make_step(config)
   with tempfile.TemporaryDirectory(prefix="sft_step_run_") as workdir:
     stage.start(state, None, 0, workdir)
     batches = [stage.next_batch(i, state, None)[0] for i in range(steps)]

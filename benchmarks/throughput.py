@@ -19,9 +19,9 @@ from ml_collections import config_flags
 
 from diffgemma import cli
 from diffgemma.sampling import sampler
-from diffgemma.training import loaded, run_config, training_state, update_step
-from diffgemma.training.stages import sft
+from diffgemma.training import loaded, run_config, training_state
 from diffgemma.tasks import make_task
+from sft_step import build_step  # benchmarks/sft_step.py, beside this script
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default sft_sudoku).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Optional trained run to sample from.")
@@ -31,12 +31,7 @@ _BATCH = flags.DEFINE_integer("batch_size", None, "Override the batch size.")
 
 def time_training(config, steps: int) -> float:
   """Seconds per training step after one compile step."""
-  setup = training_state.make_setup(run_config.build(config))
-  state = training_state.init_state(setup)
-  stage = sft.SftStage(None, make_task(config), setup)
-  step_fn = update_step.make_update_step(setup, stage.loss_fn)
-  stage.start(state, None, 0, os.getcwd())
-  batch_list = [stage.next_batch(i, state, None)[0] for i in range(steps + 1)]
+  step_fn, state, batch_list = build_step(config, steps + 1)
   state, metrics = step_fn(state, None, batch_list[0])
   jax.block_until_ready(metrics)
   start = time.perf_counter()

@@ -18,8 +18,7 @@ def get_config():
   c.max_train_minutes = 30.0
   c.log_every = 1
   c.checkpoint_every = 20
-  # Small steps: a fresh Adam's first updates move every weight by about lr, and in trial runs
-  # 1e-3 and 5e-4 cost the SFT model most of its puzzle accuracy within ~20 updates.
+  # Small steps: in trials lr 1e-3 and 5e-4 cost most of the SFT accuracy within ~20 updates.
   c.optimizer.update({"lr": 2e-4, "schedule": "constant", "warmup_steps": 10})
   c.data.curriculum_steps = 0  # the "sft" anchor trains on the target givens mix directly
   c.eval.update({"every_steps": 100, "num_puzzles": 64})
@@ -44,9 +43,7 @@ def get_config():
       # "consistent": distil only the final grid's cells that the verifier finds consistent.
       "cell_weighting": "none",
       # "none" | "kl" (to the initial parameters, on the trained states) | "sft" (the SFT loss on
-      # c.data's puzzles). In short trials every fine-tuning start lost a few points of puzzle
-      # accuracy; the SFT anchor keeps the SFT objective running beside SD·RL (one SFT step
-      # per update: about a quarter more update time in the trials).
+      # c.data's puzzles): the anchor keeps the few points of accuracy fine-tuning starts lose.
       "anchor": "sft",
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,

@@ -5,16 +5,9 @@
 
 Model, numerics, LoRA and sharding are configs/sft_sudoku_lora.py's (rank-16 adapters on every
 linear over a frozen bfloat16 base split over both devices); the SD·RL section is
-configs/sdrl_sudoku.py's (mode "both", SFT anchor), its sizes chosen so that both programs fit:
-
-- the rollout program samples group_size x prompts_per_rollout = 4 x 2 = 8 rows (4 per
-  device). Each row's sampler state holds [C, V] float32 logits (256 x 262144 x 4 bytes =
-  256 MiB, several of them per step), so the rollout batch, not the weights, is what grows;
-- the update step trains on 8 rows x 4 states = 32 decoder passes of 256 tokens plus an SFT
-  anchor of 8 rows, in grad_accum_steps = 8 micro-batches: 4 states and 1 anchor row at a
-  time. The 30-layer --dry_run plans 68.5 GiB per device for the update step and 38.8 for the
-  rollout; with 4 micro-batches the update step planned 93.4, over 80 (benchmarks/RESULTS.md).
-Rollouts stop at 16 denoising steps (as sdrl_sudoku), bounding a rollout at 16 decoder passes.
+configs/sdrl_sudoku.py's (mode "both", SFT anchor), its sizes chosen so that both programs fit
+in 80 GB (the plans: benchmarks/RESULTS.md, "Recipe notes"). Rollouts stop at 16 denoising
+steps (as sdrl_sudoku), bounding a rollout at 16 decoder passes.
 """
 
 from configs import sdrl_sudoku, sft_sudoku_lora
@@ -33,9 +26,10 @@ def get_config():
   c.stage = "sdrl"
   c.sdrl = rl.sdrl
   c.rl = rl.rl  # the task's rollout prompts and reward
+  # 8 rollout rows: the [C, V] float32 logits of each row (256 MiB), not the weights, grow.
   c.sdrl.update({"group_size": 4, "prompts_per_rollout": 2, "states_per_trajectory": 4,
                  "anchor_batch_size": 8})
-  c.grad_accum_steps = 8  # divides the 8 rollout rows and the 8 anchor rows
+  c.grad_accum_steps = 8  # divides the 8 rollout and anchor rows; 4 planned 93.4 GiB, over 80
   # The rollout sampler: this model's evaluation sampler (256-token canvas), cut at 16 steps
   # with the temperatures those steps have in the 48-step schedule (as sdrl_sudoku).
   cut = {k: rl.sdrl.rollout_sampler[k] for k in ("max_denoising_steps", "t_min")}

@@ -11,7 +11,8 @@ Model, LoRA, numerics and sharding are configs/sft_sudoku_lora.py's (rank 16 on 
 bfloat16 frozen base over both devices). Layout: prompt 1024 and 2 canvases of 256 tokens, the
 report's canvas length, which the released checkpoint fixes (Google's recipe uses 2 canvases of
 128 with a model trained at that length). The checkpoint's tokenizer and chat template render
-the conversations (data.tokenizer empty). The chat keys are documented in configs/sft_chat.py.
+the conversations (data.tokenizer empty). The chat keys are documented at
+`ChatSettings` in diffgemma/tasks/chat.py.
 """
 
 import ml_collections

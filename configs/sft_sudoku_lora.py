@@ -28,9 +28,7 @@ def get_config():
   # per-layer rematerialisation, and "tiled_scan" experts: exact on every backend, one expert's
   # weights in memory at a time, and a memory plan that --dry_run can see on a CPU (XLA:CPU
   # lowers ragged_dot to a dense all-experts product). On GPUs, moe_impl="pallas" is the
-  # grouped kernel. Tiles of 64 rows: a device's 1024 canvas tokens make 8192 expert rows, and
-  # every expert pads its rows to whole tiles, so 256-row tiles would hold 40960 rows (5x)
-  # against 16384 (2x) at 64 (the 30-layer plan went from 90 to 56 GiB per device).
+  # grouped kernel. Tiles of 64 rows: less padding per expert than 256 (RESULTS.md, "Recipe notes").
   c.model = type(c.model)(dataclasses.asdict(gemma_26b_a4b(
       param_dtype="bfloat16", compute_dtype="bfloat16", moe_impl="tiled_scan", moe_tile_size=64,
       remat="full")))

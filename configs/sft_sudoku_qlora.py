@@ -3,10 +3,9 @@
 The `sft_sudoku_lora` recipe (adapters on every linear, float32 adapters and AdamW state, the
 same alpha / rank = 2) at rank 8 on a frozen base quantized to int4 (weight-only: values two to
 a byte, one bfloat16 scale per 128 input rows of each output channel; the router and the tied
-embedding stay in bfloat16; see diffgemma/model/quantize.py). The 26B base takes 13.2 GiB instead of
-47. The batch of 8 runs as 8 micro-batches of one row (gradient accumulation: same update, one
-row's activations). --dry_run plans about 44 GiB per device (rank 16: about 48.1, too close;
-an int8 base adds at least 11 GiB of weights: an 80 GB GPU); see benchmarks/RESULTS.md.
+embedding stay in bfloat16; see diffgemma/model/quantize.py). The batch of 8 runs as 8
+micro-batches of one row (gradient accumulation: same update, one row's activations). The
+plans behind rank 8 and int4: benchmarks/RESULTS.md, "Recipe notes".
 
   python train.py --config=sft_sudoku_qlora --workdir=runs/qlora26b --init_from=/ckpt/dg26b
   python train.py --config=sft_sudoku_qlora --dry_run          # memory plan on one device
@@ -29,7 +28,7 @@ def get_config():
   c.grad_accum_steps = 8  # micro-batches of one row
 
   c.lora.base_dtype = "int4"
-  c.lora.rank = 8
+  c.lora.rank = 8  # rank 16 plans 48.1 GiB, too close to 48
   c.lora.alpha = 16.0
   # quantize.QuantizeConfig fields besides dtype (taken from lora.base_dtype).
   c.quantize = ml_collections.ConfigDict(dict(group_size=128, scale_dtype="bfloat16"))

@@ -5,8 +5,8 @@ adapters and AdamW state) with the frozen base quantized to int4 as in `sft_sudo
 (weight-only, one bfloat16 scale per 128 input rows of each output channel; router and tied
 embedding stay bfloat16), split over both devices by tensor parallelism: heads, MLP and expert
 hidden units and the vocabulary are halved on each device, so are the activations and logits
-that dominate the step's temporaries (with FSDP instead, 2 and 6 layer plans extrapolate to
-about 44 GiB per device at 30 layers, over 40). Both devices work on the same rows: the batch
+that dominate the step's temporaries (FSDP would plan over 40 GiB per device; see
+benchmarks/RESULTS.md, "Recipe notes"). Both devices work on the same rows: the batch
 of 8 runs as 8 micro-batches of one row (gradient accumulation: the same update as one batch of
 8). --dry_run plans it at 30 layers against 40 GiB per device (the figure: docs/scale.md,
 benchmarks/RESULTS.md).

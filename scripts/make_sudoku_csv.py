@@ -16,7 +16,7 @@ import numpy as np
 from absl import flags
 
 from diffgemma import cli
-from diffgemma.tasks import sudoku_puzzles as sudoku
+from diffgemma.tasks import sudoku_puzzles
 
 _OUT = flags.DEFINE_string("out", None, "Output CSV path.")
 _NUM = flags.DEFINE_integer("num", 300, "Number of puzzles.")
@@ -42,10 +42,10 @@ def read_puzzle_lines(path: str, num: int):
         raise cli.UserError(f"{path} line {line_number}: expected 81 digits or '.', got "
                             f"{cells[:90]!r}")
       puzzle = np.array([int(ch) for ch in cells], np.int8)
-      if sudoku.count_solutions(puzzle) != 1:
+      if sudoku_puzzles.count_solutions(puzzle) != 1:
         raise cli.UserError(f"{path} line {line_number}: the puzzle has no unique solution")
       puzzles.append(puzzle)
-      solutions.append(sudoku.solve(puzzle))
+      solutions.append(sudoku_puzzles.solve(puzzle))
       if len(puzzles) == num:
         break
   if not puzzles:
@@ -69,15 +69,16 @@ def main(argv):
     print(f"wrote {len(puzzles)} puzzles of {_FROM_LINES.value}, solved, to {_OUT.value}")
     return
   try:
-    sudoku.check_givens_range(_MIN.value, _MAX.value)
+    sudoku_puzzles.check_givens_range(_MIN.value, _MAX.value)
   except ValueError as e:
     raise cli.UserError(f"--min_givens/--max_givens: {e}") from None
   directory = os.path.dirname(os.path.abspath(_OUT.value))
   if not os.path.isdir(directory):
     raise cli.UserError(f"directory {directory} of --out does not exist")
   try:
-    puzzles, solutions = sudoku.generate_puzzles(_SEED.value, _NUM.value, _MIN.value, _MAX.value)
-  except sudoku.SudokuGenerationError as e:
+    puzzles, solutions = sudoku_puzzles.generate_puzzles(_SEED.value, _NUM.value, _MIN.value,
+                                                         _MAX.value)
+  except sudoku_puzzles.SudokuGenerationError as e:
     raise cli.UserError(f"{e}; raise --min_givens") from None
   _write(puzzles, solutions)
   print(f"wrote {len(puzzles)} puzzles ({_MIN.value}-{_MAX.value} givens) to {_OUT.value}")
@@ -85,7 +86,7 @@ def main(argv):
 
 def _write(puzzles, solutions):
   try:
-    sudoku.write_csv(_OUT.value, puzzles, solutions)
+    sudoku_puzzles.write_csv(_OUT.value, puzzles, solutions)
   except OSError as e:
     raise cli.UserError(f"cannot write {_OUT.value}: {e.strerror or e}") from None
 

@@ -51,11 +51,11 @@ def define_flags():
 
 def peer_mask():
   """[81, 81] bool: cell j shares a row, column or box with cell i (j != i)."""
-  from diffgemma.tasks import sudoku_puzzles as puzzles
+  from diffgemma.tasks import sudoku_puzzles
 
-  cell = np.arange(puzzles.NUM_CELLS)
-  row, col = cell // puzzles.SIZE, cell % puzzles.SIZE
-  box = row // puzzles.BOX * puzzles.BOX + col // puzzles.BOX
+  cell = np.arange(sudoku_puzzles.NUM_CELLS)
+  row, col = cell // sudoku_puzzles.SIZE, cell % sudoku_puzzles.SIZE
+  box = row // sudoku_puzzles.BOX * sudoku_puzzles.BOX + col // sudoku_puzzles.BOX
   same = (row[:, None] == row) | (col[:, None] == col) | (box[:, None] == box)
   return same & (cell[:, None] != cell)
 

@@ -196,6 +196,28 @@ def setup_of(config, mesh=None):
                                    mesh)
 
 
+def restore_run(workdir: str, step: int | None = None):
+  """(config, setup, state, frozen, step) of a workdir's checkpoint (the newest readable one by
+  default), under its saved config: the whole training state, e.g. to compare two runs."""
+  from diffgemma.runs import checkpointing
+  from diffgemma.training import run_config, training_state
+
+  config = checkpointing.load_config(workdir)
+  setup = training_state.make_setup(run_config.build(config))
+  state, frozen, step = training_state.restore_state(workdir, setup, step=step)
+  return config, setup, state, frozen, step
+
+
+def dequantize_params(params):
+  """Plain params: every `QuantizedWeight` dequantized (in its scale dtype)."""
+  import jax
+  from diffgemma.model import quantize
+
+  is_q = lambda w: isinstance(w, quantize.QuantizedWeight)
+  return jax.tree_util.tree_map(lambda w: w.astype(w.dtype) if is_q(w) else w, params,
+                                is_leaf=is_q)
+
+
 CORPUS = ["the quick brown fox jumps over the lazy dog\n", "hello world, how are you?\n",
           "user\nmodel\nthought\n", "a block diffusion model denoises a canvas of tokens\n"]
 

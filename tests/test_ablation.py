@@ -16,7 +16,7 @@ from diffgemma.io import tb_writer
 from diffgemma.runs import provenance
 from diffgemma.sampling import traces
 from diffgemma.tools import compare
-from diffgemma.tasks import sudoku_puzzles as sudoku
+from diffgemma.tasks import sudoku_puzzles
 from diffgemma.tasks import sudoku_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,12 +242,12 @@ def sampled():
   from diffgemma.model import network
   from diffgemma.model.config import tiny
   from diffgemma.sampling import sampler
-  from diffgemma.tasks import sudoku as data
+  from diffgemma.tasks import sudoku
 
   cfg = tiny(vocab_size=16, canvas_length=81, num_layers=2, layer_types=(), sliding_window=256)
   params = network.init_params(cfg, jax.random.PRNGKey(0), std=1.0)
-  puzzles, solutions = sudoku.generate_puzzles(0, 4, 40, 40)
-  prompts = data.puzzle_prompts(puzzles, solutions, "digits")
+  puzzles, solutions = sudoku_puzzles.generate_puzzles(0, 4, 40, 40)
+  prompts = sudoku.puzzle_prompts(puzzles, solutions, "digits")
   sampler_cfg = sampler.SamplerConfig(max_denoising_steps=12, max_new_tokens=81,
                                       record_trajectory=True, confidence_threshold=0.2,
                                       stability_threshold=0)

@@ -30,7 +30,7 @@ from diffgemma import cli, errors
 from diffgemma.io import chat_template, tokenizer as tokenizer_lib
 from diffgemma.runs import checkpointing
 from diffgemma.sampling import sampler
-from diffgemma.tasks import chat_data, make_task, sudoku_puzzles as sudoku
+from diffgemma.tasks import chat_data, make_task, sudoku_puzzles
 from diffgemma.training import loop
 from tests.helpers import ROOT, run_tool_cases, tiny_chat_config, write_tokenizer_json
 
@@ -122,7 +122,7 @@ def givens_conflict(puzzle) -> bool:
 
 # ----------------------------------------------------------------------------- Sudoku CSV
 
-_PUZZLES, _SOLUTIONS = sudoku.generate_puzzles(7, 3, 40, 44)
+_PUZZLES, _SOLUTIONS = sudoku_puzzles.generate_puzzles(7, 3, 40, 44)
 GOOD_ROWS = [("".join(map(str, p)) + "," + "".join(map(str, s))).encode()
              for p, s in zip(_PUZZLES, _SOLUTIONS)]
 HEADER = b"quizzes,solutions"
@@ -173,7 +173,7 @@ def csv_files(draw) -> bytes:
 def test_sudoku_csv_reads_or_names_the_line(scratch, data):
   path = unique_path(scratch, "p.csv")
   write_bytes(path, data)
-  result, error = outcome(sudoku.load_csv, path)
+  result, error = outcome(sudoku_puzzles.load_csv, path)
   unchanged(path, data)
   if error is not None:
     line = check_one_line(error, path)
@@ -210,7 +210,7 @@ def puzzle_texts(draw) -> str:
 @example(text="55" + "." * 79)
 @example(text="1" * 80)
 def test_puzzle_flag_parses_or_says_why(text):
-  result, error = outcome(sudoku.parse_puzzle_string, text)
+  result, error = outcome(sudoku_puzzles.parse_puzzle_string, text)
   if error is not None:
     check_one_line(error, "puzzle")
     return
@@ -689,7 +689,7 @@ def make_input_files(tmp: str) -> dict:
 
   checkpointing.save_config(run_dir, sft_sudoku.get_config())
   paths = {"tmp": tmp, "run": run_dir, "csv": os.path.join(tmp, "p.csv")}
-  sudoku.write_csv(paths["csv"], _PUZZLES[:2], _SOLUTIONS[:2])
+  sudoku_puzzles.write_csv(paths["csv"], _PUZZLES[:2], _SOLUTIONS[:2])
   bad_solution = GOOD_ROWS[0][:-1] + (b"1" if GOOD_ROWS[0][-1:] != b"1" else b"2")
   good = chat_line("Count from 1 to 3.", "1 2 3")
   files = {

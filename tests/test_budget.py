@@ -11,8 +11,8 @@ import pytest
 
 from diffgemma import errors
 from diffgemma.runs import provenance
-from diffgemma.training import budget, loop, training_state
-from tests.helpers import tiny_sudoku_config
+from diffgemma.training import budget, loop
+from tests.helpers import restore_run, tiny_sudoku_config
 
 
 def brute_force_fit(seconds_left, start, sps, compile_s, eval_s, eval_every, ckpt_s, ckpt_every,
@@ -93,7 +93,7 @@ def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tm
       (0, 5, provenance.STOP_AT), (5, 7, provenance.NUM_TRAIN_STEPS)]
   fit_record = runs[0]["budget_fit"]
   assert fit_record["num_train_steps"] == 7 and fit_record["calibration_steps"] == 3
-  assert fit_record["seconds_per_step"] == pytest.approx(call["seconds_per_step"], rel=1e-3)
+  assert fit_record["seconds_per_step"] == round(call["seconds_per_step"], 4)  # as recorded
 
   straight = str(tmp_path / "straight")
   loop.train(config, straight)
@@ -103,7 +103,7 @@ def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tm
   loop.train(given, explicit)
   states = {}
   for name, path in (("resumed", resumed), ("straight", straight), ("explicit", explicit)):
-    *_, states[name], _, step = training_state.restore_run(path)
+    *_, states[name], _, step = restore_run(path)
     assert step == 7, (name, step)
   jax.tree_util.tree_map(np.testing.assert_array_equal, states["resumed"], states["straight"])
   jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=0, atol=1e-6),

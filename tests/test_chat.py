@@ -498,7 +498,7 @@ def test_the_graded_prefix_reward_ranks_wrong_replies(tmp_path):
 
   path = write_jsonl(tmp_path / "d.jsonl", [chat("q", reference)])
   c = make_config(path, prompt_len=32, num_canvases=8)  # room for the longest reply
-  c.sdrl = {"reward": {"name": "prefix"}}
+  c.rl = {"reward": {"name": "prefix"}}
   task = make_task(c)
   group = task.rollout_prompts(0, 1).repeat(len(cases))
   rows = np.stack([reply_row(task, reply) for reply in cases])

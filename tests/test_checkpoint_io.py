@@ -209,6 +209,43 @@ def test_unknown_tensor_is_named(saved_reference, tmp_path):
     model_dirs.load_model(path, log=lambda _: None)
 
 
+
+def test_safetensors_files_agree_with_the_safetensors_package(tmp_path):
+  """Our writer's shards read by the `safetensors` package, and its files read by us: the same
+  names, dtypes, shapes and bytes (every dtype a checkpoint holds, an empty and a 0-d tensor)."""
+  import ml_dtypes
+  from safetensors import safe_open
+  from safetensors.numpy import save_file
+
+  rng = np.random.default_rng(0)
+  tensors = {
+      "bf16": rng.standard_normal((5, 7)).astype(ml_dtypes.bfloat16),
+      "f32": rng.standard_normal((3, 2, 4)).astype(np.float32),
+      "f16": rng.standard_normal(6).astype(np.float16),
+      "i64": rng.integers(-2**40, 2**40, (2, 3)), "i8": rng.integers(-128, 128, 9, np.int8),
+      "u8": rng.integers(0, 256, 4, np.uint8), "bool": rng.random(5) < 0.5,
+      "empty": np.zeros((0, 3), np.float32), "scalar": np.array(2.5, np.float64),
+  }
+  ours = str(tmp_path / "ours")
+  os.makedirs(ours)
+  files = safetensors_dir.write_dir([(n, t.shape, t.dtype, lambda t=t: t) for n, t in
+                                     tensors.items()], ours, max_shard_bytes=100)
+  assert safetensors_dir.INDEX_FILE in files and len(files) > 3
+  theirs = {}
+  for fname in files[:-1]:
+    with safe_open(os.path.join(ours, fname), framework="numpy") as f:
+      assert f.metadata() == {"format": "pt"}
+      theirs.update({n: f.get_tensor(n) for n in f.keys()})
+  lib = str(tmp_path / "lib")
+  os.makedirs(lib)
+  save_file(tensors, os.path.join(lib, safetensors_dir.SINGLE_FILE), metadata={"format": "pt"})
+  read_back = safetensors_dir.SafetensorsDir(lib)
+  for got in (theirs, read_back):
+    assert sorted(got) == sorted(tensors)
+    for n, t in tensors.items():
+      assert got[n].dtype == t.dtype and got[n].shape == t.shape, n
+      assert got[n].tobytes() == t.tobytes(), n
+
 def test_failed_or_refused_writes_leave_nothing(saved_reference, tmp_path, monkeypatch):
   cfg, params = model_dirs.load_model(saved_reference[1], log=lambda _: None)
   # Parameters that do not fit the config are refused before anything is written.
@@ -262,10 +299,10 @@ def test_convert_cli_and_init_from_a_converted_run(trained_run, tmp_path):
                      f"--to={tmp_path / 'x'}"), "not found")
   # eval.py evaluates a converted checkpoint under a task config (architecture from the
   # checkpoint); a config whose prompt vocabulary does not fit the model is refused.
-  from diffgemma.tasks import sudoku_puzzles as sudoku
+  from diffgemma.tasks import sudoku_puzzles
 
   csv = str(tmp_path / "puzzles.csv")
-  sudoku.write_csv(csv, *sudoku.generate_puzzles(7, 4, 40, 44))
+  sudoku_puzzles.write_csv(csv, *sudoku_puzzles.generate_puzzles(7, 4, 40, 44))
   r = run("eval.py", f"--init_from={orbax_dir}", f"--data={csv}", "--config=sft_sudoku",
           "--config.data.prompt_format=digits", "--config.sampler.max_denoising_steps=4",
           "--trajectory_stats")
@@ -322,11 +359,12 @@ def _record_restored_leaves(monkeypatch) -> list[str]:
 
 
 def test_eval_of_a_full_fine_tuning_workdir_reads_no_optimizer_state(trained_run, monkeypatch):
-  from diffgemma.training import training_state, loaded
+  from diffgemma.training import loaded
+  from tests.helpers import restore_run
 
   workdir = trained_run
   read = _record_restored_leaves(monkeypatch)
-  training_state.restore_run(workdir)  # the trainer's restore: the spy sees the optimizer state
+  restore_run(workdir)  # the trainer's restore: the spy sees the optimizer state
   assert any(name.startswith("opt_state") for name in read), sorted(set(read))[:10]
   read.clear()
   run = loaded.load_run(workdir)  # what eval.py and sample.py do

@@ -7,7 +7,7 @@ import subprocess
 
 from configs import sft_sudoku
 from diffgemma.runs import resume_config
-from diffgemma.tasks import sudoku_puzzles as sudoku
+from diffgemma.tasks import sudoku_puzzles
 from tests.helpers import entry_points, run, run_in_one_process, one_line_error
 
 
@@ -87,14 +87,14 @@ def test_short_puzzle(tmp_path):
 
 def test_missing_checkpoint(tmp_path):
   csv = tmp_path / "p.csv"
-  puzzles, solutions = sudoku.generate_puzzles(0, 2, 40, 40)
-  sudoku.write_csv(csv, puzzles, solutions)
+  puzzles, solutions = sudoku_puzzles.generate_puzzles(0, 2, 40, 40)
+  sudoku_puzzles.write_csv(csv, puzzles, solutions)
   one_line_error(run("eval.py", f"--workdir={tmp_path / 'nothing'}", f"--data={csv}"),
                  "nothing")
 
 
 def test_malformed_csv_row(tmp_path):
-  puzzles, solutions = sudoku.generate_puzzles(0, 2, 40, 40)
+  puzzles, solutions = sudoku_puzzles.generate_puzzles(0, 2, 40, 40)
   csv = tmp_path / "bad.csv"
   good = "".join(map(str, puzzles[0])) + "," + "".join(map(str, solutions[0]))
   csv.write_text("quizzes,solutions\n" + good + "\n" + good[:-1] + "\n")
@@ -104,14 +104,14 @@ def test_malformed_csv_row(tmp_path):
 def test_puzzle_lines_become_a_solved_csv(tmp_path):
   """make_sudoku_csv.py --from_lines: '.'-blank lines with trailing comments and blank lines
   in between; the CSV holds the first --num puzzles with the generator's (unique) solutions."""
-  puzzles, solutions = sudoku.generate_puzzles(3, 3, 30, 32)
+  puzzles, solutions = sudoku_puzzles.generate_puzzles(3, 3, 30, 32)
   lines = ["".join(str(d) if d else "." for d in p) for p in puzzles]
   source = tmp_path / "puzzles.txt"
   source.write_text(lines[0] + "  // a comment\n\n" + lines[1] + "\n" + lines[2] + "\n")
   out = tmp_path / "out.csv"
   r = run("scripts/make_sudoku_csv.py", f"--from_lines={source}", "--num=2", f"--out={out}")
   assert r.returncode == 0, r.stderr
-  got_puzzles, got_solutions = sudoku.load_csv(out)
+  got_puzzles, got_solutions = sudoku_puzzles.load_csv(out)
   assert (got_puzzles == puzzles[:2]).all() and (got_solutions == solutions[:2]).all()
 
 

@@ -12,9 +12,9 @@ from diffgemma.io import model_dirs
 from diffgemma.model import lora, network, sharding
 from diffgemma.model.config import tiny
 from diffgemma.runs import checkpointing
-from diffgemma.training import loop, training_state
+from diffgemma.training import loop
 from tests.helpers import run
-from tests.helpers import tiny_sudoku_config
+from tests.helpers import restore_run, tiny_sudoku_config
 
 CFG = tiny(moe_impl="ragged_dot")
 
@@ -139,8 +139,8 @@ def test_lora_training_changes_exactly_the_targeted_leaves_and_resumes_exactly(b
   loop.train(config, resumed, init_from=base_run, stop_at=2)
   loop.train(config, resumed)  # resumes: base re-read from the run's init_from
 
-  _, setup, a, frozen, step_a = training_state.restore_run(straight)
-  *_, b, _, step_b = training_state.restore_run(resumed)
+  _, setup, a, frozen, step_a = restore_run(straight)
+  *_, b, _, step_b = restore_run(resumed)
   assert step_a == step_b == 4
   chex.assert_trees_all_equal(a, b)
 
@@ -193,7 +193,7 @@ def test_lora_run_exports_base_plus_scaled_adapters_and_transformers_agrees(base
     saved.init_from = str(tmp_path / "gone")  # restoring must not read it
   checkpointing.save_config(workdir, saved)
 
-  _, setup, state, frozen, _ = training_state.restore_run(workdir)
+  _, setup, state, frozen, _ = restore_run(workdir)
   adapters, scale = state["params"], config.lora.alpha / config.lora.rank
   assert setup.lora_cfg.scale == scale
   assert any(np.any(np.asarray(f["b"])) for f in adapters.values())  # the adapters moved
@@ -231,7 +231,7 @@ def test_qlora_run_quantizes_its_base_on_load_and_resumes(base_run, tmp_path):
   workdir = str(tmp_path / "qlora")
   loop.train(config, workdir, init_from=base_run, stop_at=1)
   loop.train(config, workdir)  # resumes: the base re-read from init_from and re-quantized
-  _, setup, state, frozen, step = training_state.restore_run(workdir)
+  _, setup, state, frozen, step = restore_run(workdir)
   assert step == 2 and setup.quantize_cfg.dtype == "int4"
   q = frozen["layers"][0]["attn"]["q"]
   assert isinstance(q, quantize.QuantizedWeight) and q.qvalue.dtype == jnp.int4

@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 
 from diffgemma.runs import checkpointing
-from diffgemma.training import training_state
-from tests.helpers import ROOT, load_script
+from tests.helpers import ROOT, load_script, restore_run
 
 # The slow tier (`pytest -m slow`, run by CI after the suite): several processes or
 # optimised compiles per test.
@@ -100,7 +99,7 @@ def start_process(index, count, port, workdir, *extra, late_to_the_lock_s=None):
 
 def states(workdir):
   """(state at the last step, step) of a run, restored onto this process's one device."""
-  *_, state, _, step = training_state.restore_run(workdir)
+  *_, state, _, step = restore_run(workdir)
   return jax.device_get(state), step
 
 

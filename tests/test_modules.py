@@ -113,10 +113,10 @@ def test_apply_methods_are_the_entry_points():
 
 
 def test_a_run_written_before_the_modules_restores_with_its_logits(tmp_path):
-  from diffgemma.training import training_state
+  from tests.helpers import restore_run
   workdir = str(tmp_path / "run")
   shutil.copytree(FIXTURE, workdir)
-  _, setup, state, _, step = training_state.restore_run(workdir)
+  _, setup, state, _, step = restore_run(workdir)
   assert step == 1
   params, cfg = state["params"], setup.model_cfg
   chex.assert_trees_all_equal_shapes_and_dtypes(params, network.abstract_params(cfg))

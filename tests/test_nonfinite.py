@@ -1,6 +1,7 @@
 """Finite-or-stop: a non-finite loss never reaches a checkpoint (the training CLI, end to end).
 
-The update step's test hook (trainer.INJECT_NONFINITE_ENV) makes one chosen step's loss NaN."""
+train.py runs under a launcher that wraps the update step: the chosen step sees a NaN embedding
+and the clean one is put back after it (the same compiled program; no hook in the product)."""
 
 import os
 
@@ -9,8 +10,7 @@ import jax
 import numpy as np
 
 from diffgemma.runs import checkpointing
-from diffgemma.training import training_state, update_step
-from tests.helpers import run
+from tests.helpers import restore_run, run
 
 TINY = ["--config=sft_sudoku", "--config.model.vocab_size=16", "--config.model.hidden_size=16",
         "--config.model.intermediate_size=24", "--config.model.num_layers=2",
@@ -24,9 +24,38 @@ TINY = ["--config=sft_sudoku", "--config.model.vocab_size=16", "--config.model.h
         "--config.eval.every_steps=0", "--config.optimizer.warmup_steps=1"]
 
 
-def train(workdir, *extra, nan_at=None):
-  env = {update_step.INJECT_NONFINITE_ENV: str(nan_at)} if nan_at else {}
-  return run("train.py", *TINY, f"--workdir={workdir}", *extra, env=env)
+# `python -c _NAN_AT_STEP N train.py ARGS`: train.py, with step N's loss (1-based) made NaN.
+_NAN_AT_STEP = """
+import runpy, sys
+import jax.numpy as jnp
+from diffgemma.training import update_step
+
+nan_at = int(sys.argv.pop(1))
+make = update_step.make_update_step
+
+
+def make_with_a_nan(*args, **kwargs):
+  step = make(*args, **kwargs)
+
+  def step_with_a_nan(state, *rest):
+    if int(state["step"]) + 1 != nan_at:
+      return step(state, *rest)
+    clean = state["params"]["embedding"]
+    poisoned = dict(state, params=dict(state["params"], embedding=clean * jnp.nan))
+    state, metrics = step(poisoned, *rest)  # not finite: the step keeps the (poisoned) params
+    return dict(state, params=dict(state["params"], embedding=clean)), metrics
+
+  return step_with_a_nan
+
+
+update_step.make_update_step = make_with_a_nan
+sys.argv.pop(0)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def train(workdir, *extra, nan_at=0):
+  return run("-c", _NAN_AT_STEP, str(nan_at), "train.py", *TINY, f"--workdir={workdir}", *extra)
 
 
 def all_finite(state) -> bool:
@@ -43,7 +72,7 @@ def test_a_nan_stops_the_run_at_its_step_and_keeps_the_last_finite_checkpoint(tm
   assert "last finite checkpoint is step 2" in last
   # keep_checkpoints=1: the finite step 2 was not pushed out by anything later.
   assert os.listdir(checkpointing.checkpoint_dir(workdir)) == ["2"]
-  *_, state, _, step = training_state.restore_run(workdir)
+  *_, state, _, step = restore_run(workdir)
   assert step == 2 and all_finite(state) and int(state["nonfinite"]) == 0
 
 
@@ -54,9 +83,9 @@ def test_skip_mode_leaves_the_bad_step_out_and_counts_it(tmp_path):
   r = train(skipped, "--config.on_nonfinite=skip", "--config.checkpoint_every=1",
             "--config.keep_checkpoints=6", nan_at=3)
   assert r.returncode == 0, r.stderr[-2000:]
-  *_, before, _, _ = training_state.restore_run(skipped, step=2)
-  *_, bad, _, _ = training_state.restore_run(skipped, step=3)
-  *_, final, _, step = training_state.restore_run(skipped)
+  *_, before, _, _ = restore_run(skipped, step=2)
+  *_, bad, _, _ = restore_run(skipped, step=3)
+  *_, final, _, step = restore_run(skipped)
   assert step == 6 and all_finite(final)
   assert int(final["nonfinite"]) == 1 and int(final["nonfinite_step"]) == 3
   for key in ("params", "opt_state"):

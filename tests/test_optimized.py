@@ -41,8 +41,8 @@ diff = reference.max_logit_diff(ref, cfg, params)
 assert diff < 1e-4, diff
 
 # Resume equals the uninterrupted run, on both devices (fsdp=-1); one device agrees.
-from diffgemma.training import loop, training_state
-from tests.helpers import tiny_sudoku_config
+from diffgemma.training import loop
+from tests.helpers import restore_run, tiny_sudoku_config
 
 def config(fsdp):
   c = tiny_sudoku_config(workdir_steps=2)
@@ -57,7 +57,7 @@ loop.train(config(-1), paths["resumed"])
 loop.train(config(1), paths["one_device"])
 states = {}
 for name, path in paths.items():
-  *_, states[name], _, step = training_state.restore_run(path)
+  *_, states[name], _, step = restore_run(path)
   assert step == 2, (name, step)
 jax.tree_util.tree_map(np.testing.assert_array_equal, states["straight"], states["resumed"])
 emb = states["straight"]["params"]["embedding"]

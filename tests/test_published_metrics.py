@@ -23,7 +23,8 @@ import pytest
 from configs import sft_sudoku
 from diffgemma.sampling import sampler
 from diffgemma.training import evaluation
-from diffgemma.tasks import make_task, sudoku as sudoku_task
+from diffgemma.tasks import make_task
+from diffgemma.tasks import sudoku
 from diffgemma.tasks.base import Prompts
 from tests.helpers import make_config
 
@@ -245,8 +246,8 @@ def sudoku_cases():
   no_ones_twos = np.where(np.isin(SOLUTION, [1, 2]), 0, SOLUTION).astype(np.int8)
   wrong_given = SOLUTION.copy()
   wrong_given[1] = 1 if SOLUTION[1] != 1 else 2  # cell 1 is a given of every_third
-  stray = sudoku_task.solution_tokens(SOLUTION).copy()
-  stray[[0, 9, 40]] = [sudoku_task.EOS, sudoku_task.PAD, sudoku_task.EOS]  # 0, 9 blank cells
+  stray = sudoku.solution_tokens(SOLUTION).copy()
+  stray[[0, 9, 40]] = [sudoku.EOS, sudoku.PAD, sudoku.EOS]  # 0, 9 blank cells
   return [
       ("solved", every_third, SOLUTION),
       ("two blanks swapped", every_third, swapped),
@@ -262,22 +263,22 @@ def sudoku_task_and_rows(canvas_length=64):
   config = sft_sudoku.get_config()
   config.model.canvas_length = canvas_length  # 82 slots round up to 2 canvases of 64
   config.data.prompt_format = "digits"
-  task = sudoku_task.SudokuTask(config)
+  task = sudoku.SudokuTask(config)
   cases = sudoku_cases()
   puzzles = np.stack([p for _, p, _ in cases])
   width = task.layout.response_len
-  tokens = np.full((len(cases), width), sudoku_task.PAD, np.int32)
+  tokens = np.full((len(cases), width), sudoku.PAD, np.int32)
   grids = []
   for i, (name, _, reply) in enumerate(cases):
     if name == "stray EOS and PAD":
       tokens[i, :81] = reply
-      grid = sudoku_task.tokens_to_digits(reply)
+      grid = sudoku.tokens_to_digits(reply)
     else:
-      tokens[i, :81] = sudoku_task.solution_tokens(reply)
+      tokens[i, :81] = sudoku.solution_tokens(reply)
       grid = reply
     grids.append(np.asarray(grid))
-  tokens[:, 81:] = sudoku_task.DIGIT_OFFSET + 5  # digits after the grid must be ignored
-  prompts = sudoku_task.puzzle_prompts(puzzles, np.tile(SOLUTION, (len(cases), 1)), "digits")
+  tokens[:, 81:] = sudoku.DIGIT_OFFSET + 5  # digits after the grid must be ignored
+  prompts = sudoku.puzzle_prompts(puzzles, np.tile(SOLUTION, (len(cases), 1)), "digits")
   return task, cases, prompts, tokens, grids
 
 
@@ -353,14 +354,14 @@ def test_evaluate_merges_task_and_sampler_metrics_over_padded_batches():
   # content (the puzzles repeat), through a lookup on the whole prompt row plus its index.
   by_prompt = {}
   rows_prompt = np.array(prompts.prompt_NxP)
-  rows_prompt[:, 80] = np.arange(1, n + 1) + sudoku_task.DIGIT_OFFSET  # the last cell: row tag
+  rows_prompt[:, 80] = np.arange(1, n + 1) + sudoku.DIGIT_OFFSET  # the last cell: row tag
   tagged = Prompts(rows_prompt, prompts.valid_NxP, prompts.references)
   for i in range(n):
     by_prompt[i + 1] = tokens[i]
 
   class Stub(StubGenerate):
     def __call__(self, params, prompt_BxP, valid_BxP, rng):
-      ids = np.asarray(prompt_BxP)[:, 80] - sudoku_task.DIGIT_OFFSET
+      ids = np.asarray(prompt_BxP)[:, 80] - sudoku.DIGIT_OFFSET
       shifted = np.array(prompt_BxP)
       shifted[:, 0] = ids  # StubGenerate keys its stats on slot 0
       out = super().__call__(params, shifted, valid_BxP, rng)

@@ -28,7 +28,7 @@ from diffgemma.model.config import tiny
 from diffgemma.tasks import make_task
 from diffgemma.training import training_state, update_step
 from diffgemma.training.stages import sft
-from tests.helpers import setup_of, tiny_sudoku_config
+from tests.helpers import dequantize_params, setup_of, tiny_sudoku_config
 
 
 def numpy_quantize(w, layout, bits: int, group: int):
@@ -131,7 +131,7 @@ def test_model_consumes_quantized_weights_as_their_dequantized_values(moe_impl):
   assert not isinstance(qparams["layers"][0]["router"]["proj"], quantize.QuantizedWeight)
   assert qparams["embedding"] is params["embedding"]
   np.testing.assert_allclose(_logits(qparams, cfg),
-                             _logits(quantize.dequantize_params(qparams), cfg), atol=2e-5)
+                             _logits(dequantize_params(qparams), cfg), atol=2e-5)
 
 
 def test_logits_cost_on_a_tiny_random_model():
@@ -169,7 +169,7 @@ def test_qlora_step_trains_only_adapters_with_the_dequantized_base_gradients():
   # "tiled_scan": the expert weights go through a custom VJP (integer values: float0
   # cotangents), one expert dequantized at a time.
   moe_impl = "tiled_scan"
-  from diffgemma.tasks import sudoku as data
+  from diffgemma.tasks import sudoku
 
   config, setup = _qlora_setup("int4", moe_impl)
   assert setup.quantize_cfg.dtype == "int4" and setup.quantize_cfg.group_size == 8
@@ -179,7 +179,7 @@ def test_qlora_step_trains_only_adapters_with_the_dequantized_base_gradients():
   assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure(frozen)
   state = training_state.init_state(setup, frozen=frozen)
   assert set(state["params"]) == set(lora.target_paths(frozen, setup.lora_cfg))
-  batch = next(data.train_batches(config.data, config.batch_size, 2))
+  batch = next(sudoku.train_batches(config.data, config.batch_size, 2))
   step = sft_step(config, setup)
   adapters = state["params"]
 
@@ -198,7 +198,7 @@ def test_qlora_step_trains_only_adapters_with_the_dequantized_base_gradients():
   # The same step on the dequantized float base: the same loss, gradients and new adapters.
   float_config = _qlora_setup("float32", moe_impl)[0]
   float_step = sft_step(float_config, setup_of(float_config))
-  float_state, float_metrics = two_steps(float_step, quantize.dequantize_params(frozen))
+  float_state, float_metrics = two_steps(float_step, dequantize_params(frozen))
   np.testing.assert_allclose(float(metrics["loss"]), float(float_metrics["loss"]), rtol=1e-5)
   np.testing.assert_allclose(float(metrics["grad_norm"]), float(float_metrics["grad_norm"]),
                              rtol=1e-5)

@@ -24,10 +24,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from diffgemma.runs import checkpointing, resume_config, guard, workdir_lock
-from diffgemma.tasks import sudoku_puzzles as sudoku
-from diffgemma.training import loop, training_state
+from diffgemma.tasks import sudoku_puzzles
+from diffgemma.training import loop
 from tests.helpers import ROOT, one_line_error, run
-from tests.helpers import tiny_sudoku_config
+from tests.helpers import restore_run, tiny_sudoku_config
 
 STEPS, EVERY = 8, 2
 TINY_CONFIG = "--config=tests/tiny_sudoku_config.py"
@@ -49,7 +49,7 @@ def reference(tmp_path_factory):
 
 
 def final_state(workdir):
-  *_, state, _, step = training_state.restore_run(workdir)
+  *_, state, _, step = restore_run(workdir)
   return state, step
 
 
@@ -288,15 +288,15 @@ def test_config_json_writes_are_atomic_and_fail_in_one_line(tmp_path, monkeypatc
 
 def test_a_failing_data_pipeline_is_one_line_naming_the_last_checkpoint(tmp_path, monkeypatch):
   workdir = str(tmp_path / "run")
-  real = sudoku.generated_record
+  real = sudoku_puzzles.generated_record
   batch = config_of_run().batch_size
 
   def fails_at_step_4(seed, index, *args):
     if index >= 3 * batch:  # the records of step 4
-      raise sudoku.SudokuGenerationError("could not make a puzzle (injected)")
+      raise sudoku_puzzles.SudokuGenerationError("could not make a puzzle (injected)")
     return real(seed, index, *args)
 
-  monkeypatch.setattr(sudoku, "generated_record", fails_at_step_4)
+  monkeypatch.setattr(sudoku_puzzles, "generated_record", fails_at_step_4)
   with pytest.raises(guard.RunFailure) as e:
     loop.train(config_of_run(), workdir)
   message = str(e.value)
@@ -437,13 +437,13 @@ def test_conflicting_givens_are_reported_before_sampling(tmp_path):
   puzzle = "55" + "." * 79
   one_line_error(run("sample.py", f"--workdir={tmp_path}", f"--puzzle={puzzle}"),
                  "digit 5 is given twice in row 1")
-  assert sudoku.conflicting_givens(np.array([5] + [0] * 8 + [5] + [0] * 71)) == (
+  assert sudoku_puzzles.conflicting_givens(np.array([5] + [0] * 8 + [5] + [0] * 71)) == (
       "digit 5 is given twice in column 1 (row 1 column 1, and row 2 column 1)")
   grid = np.zeros(81, np.int8)
   grid[[0, 10]] = 3  # row 1 col 1, row 2 col 2: same box
-  assert "in box 1" in sudoku.conflicting_givens(grid)
-  puzzles, _ = sudoku.generate_puzzles(0, 3, 30, 40)
-  assert all(sudoku.conflicting_givens(p) is None for p in puzzles)
+  assert "in box 1" in sudoku_puzzles.conflicting_givens(grid)
+  puzzles, _ = sudoku_puzzles.generate_puzzles(0, 3, 30, 40)
+  assert all(sudoku_puzzles.conflicting_givens(p) is None for p in puzzles)
 
 
 # ----------------------------------------------------------------------------- SIGKILL

@@ -15,7 +15,9 @@ from diffgemma.io import model_dirs
 from diffgemma.model import lora, network
 from diffgemma.runs import checkpointing, provenance
 from diffgemma.sampling import sampler
-from diffgemma.tasks import make_task, sudoku as data, sudoku_puzzles as sudoku
+from diffgemma.tasks import make_task
+from diffgemma.tasks import sudoku
+from diffgemma.tasks import sudoku_puzzles
 from diffgemma.training import (
   diffusion,
   loop,
@@ -26,7 +28,7 @@ from diffgemma.training import (
   update_step,
 )
 from diffgemma.training.stages import sdrl
-from tests.helpers import save_sft_run, setup_of, tiny_configs
+from tests.helpers import restore_run, save_sft_run, setup_of, tiny_configs
 
 
 
@@ -320,7 +322,7 @@ def test_state_selection():
 
 
 def test_sudoku_rewards_on_known_grids():
-  puzzles, solutions = sudoku.generate_puzzles(3, 2, 40, 44)
+  puzzles, solutions = sudoku_puzzles.generate_puzzles(3, 2, 40, 44)
   wrong_cell = solutions[0].copy()
   blank = int(np.flatnonzero(puzzles[0] == 0)[0])
   wrong_cell[blank] = wrong_cell[blank] % 9 + 1  # one blank cell wrong: duplicates in 3 units
@@ -328,13 +330,14 @@ def test_sudoku_rewards_on_known_grids():
   swapped = np.where(swapped == 1, 10, swapped)
   swapped = np.where(swapped == 2, 1, swapped)
   swapped = np.where(swapped == 10, 2, swapped)
-  assert sudoku.is_valid_solution(swapped) and not sudoku.is_consistent(puzzles[1], swapped)
+  assert sudoku_puzzles.is_valid_solution(swapped)
+  assert not sudoku_puzzles.batch_consistent(puzzles[1][None], swapped[None])[0]
   grids = np.stack([solutions[0], wrong_cell, swapped, np.zeros(81, np.int8)])
   puzzle_rows = np.stack([puzzles[0], puzzles[0], puzzles[1], puzzles[1]])
-  prompts = data.puzzle_prompts(puzzle_rows, np.stack([solutions[0]] * 2 + [solutions[1]] * 2),
-                                "digits")
-  tokens = data.solution_tokens(grids)
-  tokens[3] = data.PAD  # an empty canvas: every cell blank
+  prompts = sudoku.puzzle_prompts(puzzle_rows, np.stack([solutions[0]] * 2 + [solutions[1]] * 2),
+                                  "digits")
+  tokens = sudoku.solution_tokens(grids)
+  tokens[3] = sudoku.PAD  # an empty canvas: every cell blank
 
   def run(step_penalty=0.0, length_penalty=0.0, **credit):
     config = tiny_configs()[1]
@@ -365,7 +368,7 @@ def test_sudoku_rewards_on_known_grids():
 def test_consistent_cells_against_brute_force():
   """Each cell checked by hand: a digit, its given kept, and alone in its row, column, box."""
   rng = np.random.default_rng(3)
-  puzzles, solutions = sudoku.generate_puzzles(5, 6, 30, 40)
+  puzzles, solutions = sudoku_puzzles.generate_puzzles(5, 6, 30, 40)
   grids = solutions.copy()
   for grid in grids[1:]:  # row 0 stays solved; the others get wrong digits and blanks
     cells = rng.choice(81, size=rng.integers(1, 12), replace=False)
@@ -382,12 +385,12 @@ def test_consistent_cells_against_brute_force():
                      and (box == d).sum() == 1 and puzzle[r * 9 + c] in (0, d))
     return out.reshape(81)
 
-  got = sudoku.consistent_cells(puzzles, grids)
+  got = sudoku_puzzles.consistent_cells(puzzles, grids)
   np.testing.assert_array_equal(got, [brute(p, g) for p, g in zip(puzzles, grids)])
   assert got[0].all() and not got[1:].all()
-  tokens = data.solution_tokens(grids)
+  tokens = sudoku.solution_tokens(grids)
   config = tiny_configs()[1]
-  prompts = data.puzzle_prompts(puzzles, solutions, "digits")
+  prompts = sudoku.puzzle_prompts(puzzles, solutions, "digits")
   np.testing.assert_array_equal(make_task(config).token_weights(prompts, tokens), got)
 
 
@@ -455,8 +458,8 @@ def test_loop_runs_from_a_tiny_sft_run_and_resumes_exactly(tmp_path):
   assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
       (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
 
-  *_, a, _, step_a = training_state.restore_run(straight)
-  *_, b, _, step_b = training_state.restore_run(resumed)
+  *_, a, _, step_a = restore_run(straight)
+  *_, b, _, step_b = restore_run(resumed)
   assert step_a == step_b == 4
   chex.assert_trees_all_equal(a, b)
   assert not np.array_equal(a["params"]["embedding"], sft_params["embedding"])  # it trained
@@ -516,7 +519,7 @@ def test_lora_sdrl_trains_only_the_adapters(tmp_path):
   config.num_train_steps = 2
   workdir = str(tmp_path / "lora")
   loop.train(config, workdir, init_from=sft_dir)
-  _, setup, state, frozen, _ = training_state.restore_run(workdir)
+  _, setup, state, frozen, _ = restore_run(workdir)
   assert set(state["params"]) == set(lora.target_paths(frozen, setup.lora_cfg))
   assert any(np.any(np.asarray(f["b"])) for f in state["params"].values())  # adapters moved
   base = model_dirs.load_workdir(sft_dir)[1]
@@ -528,8 +531,8 @@ import os, sys
 import chex; chex.set_n_cpu_devices(2)  # two simulated host devices, before jax starts
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
-from diffgemma.training import loop, training_state
-from tests.helpers import save_sft_run, tiny_configs
+from diffgemma.training import loop
+from tests.helpers import restore_run, save_sft_run, tiny_configs
 
 root = sys.argv[1]
 sft, config = tiny_configs()
@@ -539,7 +542,7 @@ for fsdp in (1, 2):
   run = config.copy_and_resolve_references()
   run.sharding.fsdp = fsdp
   loop.train(run, f"{root}/fsdp{fsdp}", init_from=root + "/sft")
-  _, setup, state, _, _ = training_state.restore_run(f"{root}/fsdp{fsdp}")
+  _, setup, state, _, _ = restore_run(f"{root}/fsdp{fsdp}")
   assert setup.mesh.size == fsdp
   finals.append(jax.device_get(state["params"]))
 jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), *finals)

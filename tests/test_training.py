@@ -11,9 +11,10 @@ import pytest
 from diffgemma.model import network
 from diffgemma.model.config import FULL, SLIDING, tiny
 from diffgemma.runs import provenance
-from diffgemma.tasks import Layout, sudoku as data
-from diffgemma.training import diffusion, loop, losses, training_state
-from tests.helpers import tiny_sudoku_config
+from diffgemma.tasks import Layout
+from diffgemma.tasks import sudoku
+from diffgemma.training import diffusion, loop, losses
+from tests.helpers import restore_run, tiny_sudoku_config
 
 # The loss checks need both attention kinds, not depth: one sliding and one full layer compile
 # in a third of the 7-layer test model's time.
@@ -199,19 +200,19 @@ def test_self_conditioning_rows_are_spread_evenly(batch, prob, expected):
 def test_sudoku_examples_and_resumed_data_stream():
   config = tiny_sudoku_config()
   config.data.prompt_format = "cell_tokens"
-  first = data.train_batches(config.data, 4, 10, 0)
+  first = sudoku.train_batches(config.data, 4, 10, 0)
   batches = [next(first) for _ in range(4)]
-  resumed = next(data.train_batches(config.data, 4, 10, 3))
+  resumed = next(sudoku.train_batches(config.data, 4, 10, 3))
   for key in batches[3]:
     np.testing.assert_array_equal(resumed[key], batches[3][key])
   tokens = batches[0]["tokens"]
   assert tokens.shape == (4, 162) and batches[0]["loss_mask"][:, 81:].all()
   assert not batches[0]["loss_mask"][:, :81].any()
   # cell_tokens: prompt cell i holds 16 + 10 * i + content; canvas holds digit tokens.
-  cells = (tokens[:, :81] - data.CELL_TOKEN_OFFSET) // data.CELL_CONTENTS
+  cells = (tokens[:, :81] - sudoku.CELL_TOKEN_OFFSET) // sudoku.CELL_CONTENTS
   np.testing.assert_array_equal(cells, np.broadcast_to(np.arange(81), (4, 81)))
-  digits = data.tokens_to_digits(tokens[:, 81:])
-  content = (tokens[:, :81] - data.CELL_TOKEN_OFFSET) % data.CELL_CONTENTS
+  digits = sudoku.tokens_to_digits(tokens[:, 81:])
+  content = (tokens[:, :81] - sudoku.CELL_TOKEN_OFFSET) % sudoku.CELL_CONTENTS
   assert ((content == 0) | (content == digits)).all() and (digits > 0).all()
 
 
@@ -231,8 +232,8 @@ def test_training_resumes_exactly(tmp_path):
   assert [(i["start_step"], i["end_step"], i["stop_reason"]) for i in invocations] == [
       (0, 2, provenance.STOP_AT), (2, 4, provenance.NUM_TRAIN_STEPS)]
   assert np.isfinite(last["loss"])
-  *_, a, _, step_a = training_state.restore_run(straight)
-  *_, b, _, step_b = training_state.restore_run(resumed)
+  *_, a, _, step_a = restore_run(straight)
+  *_, b, _, step_b = restore_run(resumed)
   assert step_a == step_b == 4
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
   assert json.load(open(os.path.join(straight, "config.json")))["batch_size"] == 4
@@ -311,7 +312,7 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
 
 def test_a_run_from_a_sudoku_run_keeps_its_prompt_format(tmp_path, capsys):
   """The starting run's embeddings were trained on its token mapping: --init_from adopts
-  data.prompt_format (with a notice), and an override that contradicts it is a one-line error."""
+  sudoku.prompt_format (with a notice), and an override that contradicts it is a one-line error."""
   from diffgemma import errors
   from diffgemma.runs import checkpointing
   from diffgemma.training import loop

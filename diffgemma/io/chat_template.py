@@ -32,10 +32,6 @@ import jinja2.utils
 from diffgemma import errors
 
 ROLES = ("system", "user", "assistant")
-# Named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES);
-# any other `*_token` entry of tokenizer_config.json is passed too.
-STANDARD_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                           "cls_token", "mask_token")
 
 
 class ChatTemplateError(errors.InputError):

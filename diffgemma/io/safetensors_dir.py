@@ -1,9 +1,21 @@
 """Reading and writing safetensors checkpoint directories, one tensor at a time.
 
 The format is a little-endian u64 header length, a JSON header (name -> dtype, shape, byte
-offsets) and the raw bytes. We parse it ourselves so that bfloat16 and float8 tensors come back
-as numpy arrays (ml_dtypes), which the `safetensors` package's numpy backend cannot do, and so
-that tensors are read one at a time: a 26B checkpoint is never in host memory as a whole.
+offsets) and the raw bytes; tests/test_checkpoint_io.py checks this module against the
+`safetensors` package both ways. We read and write it here rather than through that package
+because of memory and speed on a sharded checkpoint. Measured (safetensors 0.8.0, 2-core AMD
+EPYC, 2026-12-07) on 1 GiB of bfloat16 in 4 shards of 4 tensors of 64 MiB, reading every tensor:
+
+  this module (seek + read into a fresh array)      peak RSS +64 MiB,   0.7-1.2 s
+  safe_open(framework="numpy"), one per tensor      peak RSS +129 MiB,  4.1-6.0 s
+  safe_open(framework="numpy"), one per shard, kept peak RSS +1089 MiB (the whole checkpoint:
+                                                    mapped pages stay resident), 5.5 s
+  safe_open(framework="flax"), one per tensor       peak RSS +440 MiB,  19.8 s
+
+and writing, `safetensors.numpy.save_file` takes a shard's tensors as one dict (a 5 GiB shard in
+host memory; +256 MiB peak for a 256 MiB shard against +128 MiB here, where each tensor is
+made by its thunk while its shard is written). The package's numpy backend also cannot return
+float8 tensors (it asks numpy for `float8_e4m3fn`); ml_dtypes gives them here.
 """
 
 from __future__ import annotations
@@ -187,7 +199,7 @@ def _write_file(path: str, items, metadata) -> int:
     f.write(struct.pack("<Q", len(encoded)))
     f.write(encoded)
     for name, thunk, shape, dtype in items:
-      arr = np.ascontiguousarray(thunk())
+      arr = np.asarray(thunk(), order="C")  # (ascontiguousarray makes a 0-d array 1-d)
       if tuple(arr.shape) != tuple(shape) or arr.dtype != dtype:
         raise CheckpointFormatError(f"tensor {name!r} changed shape or dtype while writing")
       f.write(arr.tobytes() if arr.ndim == 0 else memoryview(arr.reshape(-1).view(np.uint8)))

@@ -3,16 +3,16 @@
 Inside `record_attention()`, every call of `network.attend` (the XLA attention path) also appends
 its softmax probabilities to a list, in call order: one entry per layer of each `encode` or
 `decode` traced or run inside the block. The model's outputs still come from the original
-`attend`, so nothing in model.py changes and its hot path pays nothing outside the block.
+`attend`, so nothing in network.py changes and its hot path pays nothing outside the block.
 
     cfg = attention_probe.recordable(cfg)
     with attention_probe.record_attention() as probs:
-      logits = model.decode(params, cfg, canvas_BxC, cache)
+      logits = network.decode(params, cfg, canvas_BxC, cache)
     # probs[i]: layer i's probabilities [B, H, C, S + C] over the keys the decoder sees
     # (the S cache slots, then the canvas).
 
 Works eagerly and inside a `jax.jit`-traced function (return the recorded arrays, or values
-computed from them, as its outputs). The patch is read when `model.attention` runs, so a
+computed from them, as its outputs). The patch is read when `network.attention` runs, so a
 function jitted and traced before the block keeps its recording-free program.
 """
 

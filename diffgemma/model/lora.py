@@ -32,7 +32,7 @@ from diffgemma.model import fields
 Params = dict[str, Any]
 
 # Per linear weight name: (leading expert axes, input axes); the remaining axes are outputs.
-# These are all the linear maps of the model (model.py's parameter layout).
+# These are all the linear maps of the model (network.py's parameter layout).
 LINEAR_LAYOUTS = {
     "attn.q": (0, 1), "attn.k": (0, 1), "attn.v": (0, 1), "attn.o": (0, 2),
     "mlp.gate": (0, 1), "mlp.up": (0, 1), "mlp.down": (0, 1),

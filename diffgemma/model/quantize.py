@@ -3,7 +3,7 @@
 `quantize_params` replaces each targeted linear weight with a `QuantizedWeight`: integer values
 (int8, or int4 stored two to a byte by XLA) and float scales, computed by qwix (`qwix.quantize`,
 symmetric absmax calibration: scale = absmax / (qmax + 1/2), q = clip(round(w / scale))). The
-model consumes it where it consumes any weight: `w.astype(dtype)` (what `model.linear`, the
+model consumes it where it consumes any weight: `w.astype(dtype)` (what `network.linear`, the
 expert matmuls and `lora.merge_weight` call) dequantizes, q * scale in `dtype`, and `w[e]` takes
 expert e's rows, so the "tiled_scan" MoE dequantizes one expert at a time. Activations stay in
 the compute dtype (weight-only); nothing about the model's code paths changes.
@@ -149,13 +149,6 @@ def _at(tree, path):
   for key in path:
     tree = tree[getattr(key, "key", getattr(key, "idx", key))]
   return tree
-
-
-def dequantize_params(params: Params, dtype=None) -> Params:
-  """Plain params: every `QuantizedWeight` dequantized (in `dtype`, default its scale dtype)."""
-  return jax.tree_util.tree_map(
-      lambda w: w.astype(dtype or w.dtype) if isinstance(w, QuantizedWeight) else w, params,
-      is_leaf=lambda w: isinstance(w, QuantizedWeight))
 
 
 def bits_per_value(dtype) -> int:

@@ -50,8 +50,6 @@ SAFE_KEYS = (
     # Numerics that compute the same function (not the dtypes: they change the state).
     "model.moe_impl", "model.moe_tile_size", "model.attention_impl", "model.remat",
 )
-# Keys the trainer writes into the saved config itself.
-TRAINER_KEYS = ("init_from",)
 
 
 class ResumeConfigError(errors.ConfigError):

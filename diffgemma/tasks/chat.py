@@ -1,7 +1,7 @@
 """The chat task: SFT on JSONL conversations, text evaluation, SD·RL prompts and rewards.
 
 Built by `diffgemma.tasks.make_task` when `config.task.name == "chat"`. Every key it reads is
-documented in configs/sft_chat.py (sections data, eval, and rl.reward / rl.reward_fn).
+documented at `ChatSettings` (sections data, eval, and rl.reward / rl.reward_fn).
 `from_config` loads the tokenizer, reads and checks every data file and lays the examples out,
 so a bad line or an overflow under `data.overflow="error"` fails before a run writes anything.
 Data formats, the canvas layout and the overflow policies: diffgemma/tasks/chat_data.py;
@@ -51,7 +51,48 @@ NO_TRAINING_DATA = "no training data: set data.train (e.g. --config.data.train=F
 
 @dataclasses.dataclass(frozen=True)
 class ChatSettings:
-  """The chat task's config keys, checked (configs/sft_chat.py documents each)."""
+  """The chat task's config keys, checked. Data formats, layout and overflow policies are
+  described in diffgemma/tasks/chat_data.py.
+
+    task.name            "chat".
+    data.train           training JSONL: a path, comma-separated paths, or a list of paths. Each
+                         line is {"messages": [...]}, {"prompt", "completion"} or ShareGPT
+                         {"conversations": [...]}; one example per assistant turn.
+    data.weights         mixing weights, one per data.train file (comma-separated or a list);
+                         empty = proportional to each file's number of examples.
+    data.eval            (eval_file) held-out JSONL for the periodic evaluation (the last
+                         assistant turn of each line is the reference); or
+    data.eval_fraction   the share of each training file's conversations held out instead (0 =
+                         none; not both).
+    data.tokenizer       "bytes"; or a directory with tokenizer.json or tokenizer.model and a chat
+                         template; empty = the --init_from checkpoint's.
+    data.prompt_len      P: prompt slots (the rendered history and generation prompt, BOS
+                         included, left-padded).
+    data.num_canvases    K: reply canvases of model.canvas_length tokens (the sampler's budget
+                         is K * canvas_length).
+    data.overflow        prompts longer than P / replies longer than K canvases:
+                         "truncate_left" (prompts lose their oldest tokens after BOS; replies
+                         keep their beginning), "drop" (skip the example) or "error".
+    data.seed            shuffling (per file, new every epoch) and the eval_fraction split.
+    data.num_threads, data.prefetch   grain reader threads and prefetched batches.
+    eval.every_steps     periodic evaluation on the held-out set (0 = off).
+    eval.num_examples    held-out examples it uses (0 = all; a seeded subset when fewer).
+    eval.batch_size      sampler batch of evaluation.
+    eval.metric          "exact" (stripped match), "choice" ("the answer is yes|no|maybe"),
+                         "gsm8k" (the number after ####), "regex" (first group of
+                         eval.answer_regex).
+    eval.answer_regex    the pattern of metric "regex", with one capturing group.
+    eval.seed            which held-out examples when num_examples is smaller than the set.
+    eval.stop_check_step, eval.stop_overrun_warning   from that step on (0 = off), the periodic
+                         eval warns in one line when at least that share of the held-out
+                         replies hold the whole reference and go on past it (the stop is not
+                         learned).
+    rl.reward            an RL stage (configs/sdrl_chat.py), the task's section `rl`: one of
+                         the metric names or the graded "prefix" (diffgemma/tasks/text_metrics.py;
+                         configs/sdrl_chat.py's default); or
+    rl.reward_fn         "package.module:function", called as function(prompt, reply,
+                         reference) -> float in [0, 1] (the module docstring says with what).
+  """
 
   train: tuple[str, ...]
   weights: tuple[float, ...]
@@ -700,7 +741,7 @@ def from_config(config: ml_collections.ConfigDict, training: bool = True,
 def checkpoint_task(directory: str, max_new_tokens: int, text: str, chat: bool = True
                     ) -> ChatTask:
   """The chat task of a model checkpoint directory with its own tokenizer, for sampling a reply
-  to `text` (sample.py): the task's defaults (configs/sft_chat.py documents them), no data, a
+  to `text` (sample.py): the task's defaults (`settings_from_config`), no data, a
   prompt length of exactly `text`'s ids (`prompt_ids`), so nothing is padded, and the canvases
   that hold `max_new_tokens` (the checkpoint's canvas length, read without the weights).
   `chat=False`: plain-text prompts, and a tokenizer without a chat template is accepted.

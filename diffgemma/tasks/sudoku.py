@@ -24,7 +24,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from diffgemma.tasks import sudoku_puzzles as sudoku
+from diffgemma.tasks import sudoku_puzzles
 from diffgemma.tasks import sudoku_traces
 from diffgemma.tasks.base import Layout, Prompts, RlTask
 from diffgemma.tasks.sudoku_tokens import (  # noqa: F401 (the task's token helpers)
@@ -106,7 +106,7 @@ class CurriculumSudokuSource:
   def __getitem__(self, index) -> dict:
     index = int(index)
     lo, hi = self.curriculum.at(index // self.batch_size)
-    puzzle, solution = sudoku.generated_record(self.seed, index, lo, hi)
+    puzzle, solution = sudoku_puzzles.generated_record(self.seed, index, lo, hi)
     return {"puzzle": puzzle, "solution": solution}
 
   def __repr__(self) -> str:
@@ -256,7 +256,7 @@ class SudokuTask(RlTask):
     for lo, hi in ((data.start_min_givens, data.start_max_givens),
                    (data.min_givens, data.max_givens),
                    (config.eval.min_givens, config.eval.max_givens)):
-      sudoku.check_givens_range(lo, hi)
+      sudoku_puzzles.check_givens_range(lo, hi)
     for key, low in (("data.seed", 0), ("data.curriculum_steps", 0), ("data.num_threads", 0),
                      ("data.prefetch", 0), ("eval.num_puzzles", 0), ("eval.seed", 0)):
       section, name = key.split(".")
@@ -276,7 +276,7 @@ class SudokuTask(RlTask):
                           self.canvas_length)
     rl = config.get("rl") or ml_collections.ConfigDict()
     self.prompt_cfg = PromptConfig(**rl.prompts.to_dict()) if "prompts" in rl else PromptConfig()
-    sudoku.check_givens_range(self.prompt_cfg.min_givens, self.prompt_cfg.max_givens)
+    sudoku_puzzles.check_givens_range(self.prompt_cfg.min_givens, self.prompt_cfg.max_givens)
     reward = rl.get("reward", "sudoku")
     reward = {"name": reward} if isinstance(reward, str) else reward.to_dict()
     if reward.get("name", "sudoku") != "sudoku":
@@ -308,25 +308,25 @@ class SudokuTask(RlTask):
     e = self.eval_cfg
     if e.num_puzzles <= 0:
       return None
-    puzzles, solutions = sudoku.generate_puzzles(e.seed, e.num_puzzles, e.min_givens,
-                                                 e.max_givens)
+    puzzles, solutions = sudoku_puzzles.generate_puzzles(e.seed, e.num_puzzles, e.min_givens,
+                                                         e.max_givens)
     return puzzle_prompts(puzzles, solutions, self.prompt_format)
 
   def load_eval_file(self, path: str, limit: int | None = None) -> Prompts:
-    puzzles, solutions = sudoku.load_csv(path, limit)
+    puzzles, solutions = sudoku_puzzles.load_csv(path, limit)
     return puzzle_prompts(puzzles, solutions, self.prompt_format)
 
   def score(self, prompts, tokens_NxL, stats):
     puzzles, solutions = _puzzles_and_solutions(prompts)
     grids = tokens_to_digits(np.asarray(tokens_NxL)[:, :CANVAS_LEN])
-    solved = sudoku.batch_solved(puzzles, grids)
+    solved = sudoku_puzzles.batch_solved(puzzles, grids)
     metrics = {
         "puzzle_accuracy": float(np.mean(solved)),
-        "cell_accuracy": sudoku.cell_accuracy(puzzles, grids, solutions, "all"),
+        "cell_accuracy": sudoku_puzzles.cell_accuracy(puzzles, grids, solutions, "all"),
         # The early-warning pair: a run on the copy-the-givens plateau gets the givens right
         # and the blanks barely better than chance.
-        "given_cell_accuracy": sudoku.cell_accuracy(puzzles, grids, solutions, "given"),
-        "blank_cell_accuracy": sudoku.cell_accuracy(puzzles, grids, solutions, "blank"),
+        "given_cell_accuracy": sudoku_puzzles.cell_accuracy(puzzles, grids, solutions, "given"),
+        "blank_cell_accuracy": sudoku_puzzles.cell_accuracy(puzzles, grids, solutions, "blank"),
         "num_puzzles": int(len(grids)),
     }
     predictions = [{"puzzle": _grid_string(p), "grid": _grid_string(g), "solved": bool(s)}
@@ -356,15 +356,15 @@ class SudokuTask(RlTask):
   # ---------------------------------------------------------------- text
 
   def prompt_from_text(self, text: str) -> Prompts:
-    puzzle = sudoku.parse_puzzle_string(text)  # conflicting givens are an error here
-    if sudoku.solve(puzzle) is None:  # givens that conflict only through the other cells
-      raise sudoku.SudokuDataError("puzzle has no solution: no grid completes its givens; check "
-                                   "the --puzzle string")
+    puzzle = sudoku_puzzles.parse_puzzle_string(text)  # conflicting givens are an error here
+    if sudoku_puzzles.solve(puzzle) is None:  # givens that conflict only through the other cells
+      raise sudoku_puzzles.SudokuDataError("puzzle has no solution: no grid completes its "
+                                           "givens; check the --puzzle string")
     return puzzle_prompts(puzzle[None], np.zeros_like(puzzle)[None], self.prompt_format)
 
   def prompt_text(self, prompts, row=0):
     puzzle = _puzzles_and_solutions(prompts)[0][row]
-    return f"{int(np.sum(puzzle > 0))} givens\n" + sudoku.format_grid(puzzle, puzzle)
+    return f"{int(np.sum(puzzle > 0))} givens\n" + sudoku_puzzles.format_grid(puzzle, puzzle)
 
   def reply_text(self, tokens, prompts=None, row=0, first_slot=0):
     if first_slot >= CANVAS_LEN:  # canvases after the grid hold its EOS and padding
@@ -374,7 +374,7 @@ class SudokuTask(RlTask):
     slots[first_slot:first_slot + len(tokens)] = tokens  # a canvas shown inside the grid
     grid = tokens_to_digits(slots[:CANVAS_LEN])
     puzzle = None if prompts is None else _puzzles_and_solutions(prompts)[0][row]
-    text = sudoku.format_grid(grid, puzzle)
+    text = sudoku_puzzles.format_grid(grid, puzzle)
     if puzzle is not None:
       wrong = int(np.sum((puzzle > 0) & (grid != puzzle)))
       text += f"\n{wrong} givens contradicted" if wrong else ""
@@ -383,9 +383,9 @@ class SudokuTask(RlTask):
   def verdict(self, prompts, tokens, row=0):
     puzzle = _puzzles_and_solutions(prompts)[0][row]
     grid = tokens_to_digits(np.asarray(tokens)[:CANVAS_LEN])
-    if sudoku.puzzle_solved(puzzle, grid):
+    if sudoku_puzzles.puzzle_solved(puzzle, grid):
       return "valid solution"
-    if sudoku.is_valid_solution(grid):
+    if sudoku_puzzles.is_valid_solution(grid):
       return "complete and valid but contradicts the givens"
     return "not a valid solution"
 
@@ -413,7 +413,7 @@ class SudokuTask(RlTask):
     """Puzzle i of the stream is a pure function of (seed, i): a resumed run sees the same."""
     p = self.prompt_cfg
     first = iteration * num_prompts
-    records = [sudoku.generated_record(p.seed, i, p.min_givens, p.max_givens)
+    records = [sudoku_puzzles.generated_record(p.seed, i, p.min_givens, p.max_givens)
                for i in range(first, first + num_prompts)]
     puzzles, solutions = (np.stack(x) for x in zip(*records))
     return puzzle_prompts(puzzles, solutions, self.prompt_format)
@@ -422,12 +422,12 @@ class SudokuTask(RlTask):
     """Solved (complete, valid, consistent with the givens) = 1; else the partial credit. The
     canvas is the grid: a stray EOS or pad is a blank cell."""
     puzzles, solutions = _puzzles_and_solutions(prompts)
-    grids = tokens_to_digits(np.asarray(tokens_BxL)[:, :sudoku.NUM_CELLS])
-    solved = sudoku.batch_solved(puzzles, grids)
+    grids = tokens_to_digits(np.asarray(tokens_BxL)[:, :sudoku_puzzles.NUM_CELLS])
+    solved = sudoku_puzzles.batch_solved(puzzles, grids)
     if self.reward_cfg.partial_credit == "cells":
-      partial = sudoku.blank_cell_accuracy(puzzles, grids, solutions)
+      partial = sudoku_puzzles.blank_cell_accuracy(puzzles, grids, solutions)
     elif self.reward_cfg.partial_credit == "constraints":
-      partial = sudoku.unit_satisfaction(puzzles, grids)
+      partial = sudoku_puzzles.unit_satisfaction(puzzles, grids)
     else:
       partial = np.zeros(len(grids))
     return np.where(solved, 1.0, self.reward_cfg.partial_weight * partial), solved
@@ -437,9 +437,9 @@ class SudokuTask(RlTask):
     conflicting cells are not distilled toward); tokens after the grid count."""
     puzzles, _ = _puzzles_and_solutions(prompts)
     tokens_BxL = np.asarray(tokens_BxL)
-    grids = tokens_to_digits(tokens_BxL[:, :sudoku.NUM_CELLS])
+    grids = tokens_to_digits(tokens_BxL[:, :sudoku_puzzles.NUM_CELLS])
     weights = np.ones(tokens_BxL.shape, np.float32)
-    weights[:, :sudoku.NUM_CELLS] = sudoku.consistent_cells(puzzles, grids)
+    weights[:, :sudoku_puzzles.NUM_CELLS] = sudoku_puzzles.consistent_cells(puzzles, grids)
     return weights
 
 

@@ -367,9 +367,6 @@ def batch_valid(grids_Nx81) -> np.ndarray:
   return rows_ok & cols_ok & boxes_ok
 
 
-batch_valid_Nx = batch_valid  # name used in the design notes
-
-
 def batch_consistent(puzzles_Nx81, grids_Nx81) -> np.ndarray:
   """bool[N]: grid i agrees with every given (non-zero cell) of puzzle i."""
   puzzles_Nx81 = _as_batch(puzzles_Nx81, "puzzles")
@@ -385,11 +382,6 @@ def batch_solved(puzzles_Nx81, grids_Nx81) -> np.ndarray:
 def is_valid_solution(grid_81) -> bool:
   """Every row, column and box of int[81] `grid_81` is a permutation of 1..9."""
   return bool(batch_valid(np.asarray(grid_81)[None])[0])
-
-
-def is_consistent(puzzle_81, grid_81) -> bool:
-  """`grid_81` agrees with all givens of `puzzle_81` (blanks in the grid are fine)."""
-  return bool(batch_consistent(np.asarray(puzzle_81)[None], np.asarray(grid_81)[None])[0])
 
 
 def puzzle_solved(puzzle_81, grid_81) -> bool:

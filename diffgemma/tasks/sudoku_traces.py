@@ -15,7 +15,7 @@ import numpy as np
 
 from diffgemma.sampling.traces import TraceStep, check_trace_path, html_trace, trace_steps
 from diffgemma.tasks import sudoku_tokens as data
-from diffgemma.tasks import sudoku_puzzles as sudoku
+from diffgemma.tasks import sudoku_puzzles
 
 TRACE_SUFFIXES = (".gif", ".html")
 
@@ -54,11 +54,12 @@ def sudoku_frame(digits_81, puzzle_81, accepted_81, header: str, solution_81=Non
   """
   from PIL import Image, ImageDraw
 
-  digits = np.asarray(digits_81).reshape(sudoku.NUM_CELLS)
-  puzzle = np.asarray(puzzle_81).reshape(sudoku.NUM_CELLS)
-  accepted = np.asarray(accepted_81, bool).reshape(sudoku.NUM_CELLS)
-  solution = None if solution_81 is None else np.asarray(solution_81).reshape(sudoku.NUM_CELLS)
-  side = sudoku.SIZE * cell_px
+  digits = np.asarray(digits_81).reshape(sudoku_puzzles.NUM_CELLS)
+  puzzle = np.asarray(puzzle_81).reshape(sudoku_puzzles.NUM_CELLS)
+  accepted = np.asarray(accepted_81, bool).reshape(sudoku_puzzles.NUM_CELLS)
+  solution = (None if solution_81 is None
+              else np.asarray(solution_81).reshape(sudoku_puzzles.NUM_CELLS))
+  side = sudoku_puzzles.SIZE * cell_px
   scale = cell_px / CELL_PX
   header_px, footer_px, margin = (int(round(x * scale)) for x in (HEADER_PX, FOOTER_PX,
                                                                    MARGIN_PX))
@@ -67,10 +68,10 @@ def sudoku_frame(digits_81, puzzle_81, accepted_81, header: str, solution_81=Non
   digit_font, small_font = _font(int(cell_px * 0.62)), _font(max(int(cell_px * 0.34), 8))
   draw.text((margin, header_px // 2), header, fill=BLACK, font=small_font, anchor="lm")
   top = header_px
-  for cell in range(sudoku.NUM_CELLS):
-    r, c = divmod(cell, sudoku.SIZE)
+  for cell in range(sudoku_puzzles.NUM_CELLS):
+    r, c = divmod(cell, sudoku_puzzles.SIZE)
     x0, y0 = margin + c * cell_px, top + r * cell_px
-    given = puzzle[cell] != sudoku.BLANK
+    given = puzzle[cell] != sudoku_puzzles.BLANK
     bg = GIVEN_BG if given else ACCEPTED_BG if accepted[cell] else WHITE
     draw.rectangle((x0, y0, x0 + cell_px, y0 + cell_px), fill=bg)
     if given and accepted[cell]:
@@ -78,15 +79,15 @@ def sudoku_frame(digits_81, puzzle_81, accepted_81, header: str, solution_81=Non
       draw.polygon([(x0, y0), (x0 + corner, y0), (x0, y0 + corner)], fill=ACCEPTED_MARK)
     digit = int(digits[cell])
     wrong = (given and digit != puzzle[cell]) or (
-        solution is not None and digit != sudoku.BLANK and digit != solution[cell])
+        solution is not None and digit != sudoku_puzzles.BLANK and digit != solution[cell])
     fg = WRONG_FG if wrong else BLACK if given else FILLED_FG
     if not accepted[cell]:
       fg = _blend(fg, bg, DIM)
-    text = str(digit) if digit != sudoku.BLANK else "·"
+    text = str(digit) if digit != sudoku_puzzles.BLANK else "·"
     draw.text((x0 + cell_px / 2, y0 + cell_px / 2), text, fill=fg, font=digit_font, anchor="mm",
               stroke_width=1 if given else 0, stroke_fill=fg)
-  for i in range(sudoku.SIZE + 1):  # thin cell lines, thick box lines
-    width = 3 if i % sudoku.BOX == 0 else 1
+  for i in range(sudoku_puzzles.SIZE + 1):  # thin cell lines, thick box lines
+    width = 3 if i % sudoku_puzzles.BOX == 0 else 1
     offset = i * cell_px
     draw.line((margin + offset, top, margin + offset, top + side), fill=BLACK, width=width)
     draw.line((margin, top + offset, margin + side, top + offset), fill=BLACK, width=width)
@@ -112,7 +113,7 @@ def _sudoku_steps(trajectory, row: int) -> list[TraceStep]:
 
 
 def _step_header(step: TraceStep, puzzle_81) -> str:
-  blanks = np.asarray(puzzle_81).reshape(-1) == sudoku.BLANK
+  blanks = np.asarray(puzzle_81).reshape(-1) == sudoku_puzzles.BLANK
   cells = step.accepted_C[:data.CANVAS_LEN]
   return (f"step {step.step}/{step.steps_in_canvas}   accepted {int(cells.sum())} "
           f"({int((cells & blanks).sum())} of {int(blanks.sum())} blanks)")
@@ -169,8 +170,8 @@ def sudoku_text_trace(trajectory, row: int = 0):
   each followed by a space, and by '‖' at the end of a grid row."""
   steps = _sudoku_steps(trajectory, row)
   cells = slice(0, data.CANVAS_LEN)
-  ends = ["‖ " if (i + 1) % sudoku.SIZE == 0 and i + 1 < sudoku.NUM_CELLS else ""
-          for i in range(sudoku.NUM_CELLS)]
+  ends = ["‖ " if (i + 1) % sudoku_puzzles.SIZE == 0 and i + 1 < sudoku_puzzles.NUM_CELLS else ""
+          for i in range(sudoku_puzzles.NUM_CELLS)]
   tokens = [[(str(d) if d else "·") + " " + end
              for d, end in zip(data.tokens_to_digits(s.tokens_C[cells]), ends)] for s in steps]
   return ([s.label for s in steps], tokens, [s.entropy_C[cells] for s in steps],

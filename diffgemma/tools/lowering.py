@@ -12,7 +12,7 @@ have the 26B-A4B shapes.
 Pallas kernels are GPU (Triton) kernels that refuse TPU with a one-line error
 (`kernels.platform`). `lower` exports one program and reports what it became.
 
-Shape suffixes as in model.py.
+Shape suffixes as in network.py.
 """
 
 from __future__ import annotations

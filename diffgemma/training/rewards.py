@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+
 @dataclasses.dataclass(frozen=True)
 class ShapingConfig:
   """Config section `sdrl.shaping`. step_penalty: subtracted x (steps per canvas / max denoising steps): favours short

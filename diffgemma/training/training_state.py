@@ -266,12 +266,3 @@ def restore_state(workdir: str, setup: Setup, move_damaged: bool = False,
   if "base" in state:
     frozen = state.pop("base")
   return state, frozen, int(step)
-
-
-def restore_run(workdir: str, step: int | None = None):
-  """(config, setup, state, frozen, step) of a workdir's checkpoint (the newest readable one by
-  default), under its saved config: the whole training state, e.g. to compare two runs."""
-  config = checkpointing.load_config(workdir)
-  setup = make_setup(run_config.build(config))
-  state, frozen, step = restore_state(workdir, setup, step=step)
-  return config, setup, state, frozen, step

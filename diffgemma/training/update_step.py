@@ -8,8 +8,6 @@ batches, nothing else.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -19,8 +17,6 @@ from diffgemma.training.training_state import Setup, model_params
 
 # Stream ids folded into a step's key for randomness outside the loss.
 DROPOUT_STREAM = 1
-# Test hook: the loss of this (1-based) step is made non-finite, to exercise on_nonfinite.
-INJECT_NONFINITE_ENV = "DIFFGEMMA_TEST_NONFINITE_STEP"
 
 
 def split_micro_batches(batch, accum: int):
@@ -46,7 +42,6 @@ def make_update_step(setup: Setup, loss_fn, state_sh=None, frozen_sh=None, batch
   in state["nonfinite_step"] (the loop decides whether to stop).
   """
   lora_cfg, tx, accum = setup.lora_cfg, setup.tx, setup.grad_accum_steps
-  inject = int(os.environ.get(INJECT_NONFINITE_ENV, "0"))
 
   def trained_loss(trainable, frozen, batch, rng):
     params = model_params(trainable, frozen, lora_cfg, jax.random.fold_in(rng, DROPOUT_STREAM))
@@ -77,8 +72,6 @@ def make_update_step(setup: Setup, loss_fn, state_sh=None, frozen_sh=None, batch
         (loss, grads, metrics), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
         loss, grads, metrics = jax.tree_util.tree_map(lambda x: x / accum,
                                                       (loss, grads, metrics))
-    if inject:
-      loss = jnp.where(state["step"] + 1 == inject, jnp.nan, loss)
     with jax.named_scope("optimizer"):  # a label for benchmarks/step_profile.py
       grad_norm = optax.tree.norm(grads)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -2,7 +2,7 @@
 
 `canvas_attention` is a drop-in for
 
-    model.attend(q, k, v, attention_mask(q_anchor, q_limit, kv_pos, kv_valid, window))
+    network.attend(q, k, v, attention_mask(q_anchor, q_limit, kv_pos, kv_valid, window))
 
 that takes the mask's ingredients instead of a materialised [B, T, S] mask. It serves the decoder
 (C canvas queries against [cached prefix slots | canvas keys]) and the causal encoder (anchor =

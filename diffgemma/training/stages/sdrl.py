@@ -43,14 +43,13 @@ from diffgemma.model.config import ModelConfig
 from diffgemma.runs import distributed, guard
 from diffgemma.sampling import sampler
 from diffgemma.tasks.base import Prompts, RlTask
-from diffgemma.training import diffusion, losses, rewards, training_state
+from diffgemma.training import diffusion, evaluation, losses, rewards, training_state
 
 MODES = ("both", "distill", "rl")
 STATE_SELECTIONS = ("uniform", "first_k", "last_k", "all")
 ADVANTAGE_NORMS = ("group_std", "group_mean", "none")
 ANCHORS = ("none", "kl", "sft")
 CELL_WEIGHTINGS = ("none", "consistent")
-ROLLOUT_STATS = ("tokens_per_forward", "steps_per_canvas", "num_tokens")
 # Independent random streams of one step, folded into the run's key.
 _ROLLOUT_STREAM, _STATES_STREAM, _UPDATE_STREAM = range(3)
 
@@ -522,8 +521,10 @@ class SdrlStage:
     prompts = self._prompts(step // self.cfg.updates_per_rollout)
     out = self.generate_fn(params, prompts.prompt_NxP, prompts.valid_NxP,
                            stream_key(state["rng"], _ROLLOUT_STREAM, step))
-    # The whole rollout's tokens and stats on every process (rows may live on other hosts).
-    host = distributed.fetch({key: out[key] for key in ("tokens", *ROLLOUT_STATS)})
+    # The whole rollout's tokens and per-row stats (the evaluation's list) on every process
+    # (rows may live on other hosts).
+    host = distributed.fetch({key: out[key] for key in ("tokens", *evaluation.ROW_STATS)
+                              if key in out})
     tokens_BxL = np.asarray(host.pop("tokens"))
     t_rollout = time.perf_counter()
     stats = host
