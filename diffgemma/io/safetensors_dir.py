@@ -4,7 +4,7 @@ The format is a little-endian u64 header length, a JSON header (name -> dtype, s
 offsets) and the raw bytes; tests/test_checkpoint_io.py checks this module against the
 `safetensors` package both ways. We read and write it here rather than through that package
 because of memory and speed on a sharded checkpoint. Measured (safetensors 0.8.0, 2-core AMD
-EPYC, 2026-12-07) on 1 GiB of bfloat16 in 4 shards of 4 tensors of 64 MiB, reading every tensor:
+EPYC, 2026-12-06) on 1 GiB of bfloat16 in 4 shards of 4 tensors of 64 MiB, reading every tensor:
 
   this module (seek + read into a fresh array)      peak RSS +64 MiB,   0.7-1.2 s
   safe_open(framework="numpy"), one per tensor      peak RSS +129 MiB,  4.1-6.0 s
