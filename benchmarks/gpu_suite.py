@@ -276,7 +276,9 @@ def section_generate(suite: Suite, cfg: ModelConfig, shapes: dict, params, prefi
   valid = jnp.ones_like(prompt, bool)
   for on in shapes["generate_kernels"]:
     # No row ends early (eos -1 is no token) and the adaptive stop never fires (entropy >= 0).
-    mcfg = with_kernels(cfg, on).replace(eos_token_id=-1)
+    mcfg = with_kernels(cfg, on)
+    # No row ends early: an end id no token can equal (ModelConfig's own check would refuse it).
+    object.__setattr__(mcfg, "eos_token_id", -1)
     scfg = sampler.SamplerConfig(max_denoising_steps=steps, confidence_threshold=0.0,
                                  max_new_tokens=new_tokens, fused_step=on)
     generate = sampler.make_generate_fn(mcfg, scfg)

@@ -793,6 +793,7 @@ def test_every_command_line_ends_in_one_line_and_writes_nothing(tool_outcomes, k
     # The line names a flag given (or one to add), a config / sampler key, or a path given.
     flags_given = [a.split("=", 1)[0] for a in argv[1:]]
     named = [needle] if needle else [*flags_given, *(f.rpartition(".")[2] for f in flags_given),
+                                     *(f"'{f.lstrip('-')}'" for f in flags_given),
                                      *(a.split("=", 1)[1] for a in argv[1:] if "=" in a),
                                      p["run"], "--"]
     if not any(n and n in line for n in named):

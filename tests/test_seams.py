@@ -134,7 +134,7 @@ def test_heldout_table_leads_with_each_results_headline_metric():
   header, rows = compare.table([heldout_run("a", chat_new), heldout_run("b", chat_old)])
   assert header[:5] == ["run", "optimizer.lr", "count: accuracy", "count: tokens_per_forward",
                         "count: steps_per_canvas"]
-  assert [r[2] for r in rows] == ["0.250", "0.500"]
+  assert [r[2] for r in rows] == ["0.500", "0.250"]  # ranked best first by the headline
   sudoku = {"puzzle_accuracy": 0.75, "cell_accuracy": 0.95, "blank_cell_accuracy": 0.9,
             "tokens_per_forward": 9.0}
   assert compare.headline_metric(sudoku) == "puzzle_accuracy"
