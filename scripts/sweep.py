@@ -1,8 +1,12 @@
-"""Run the cross product of config grids as ordinary train.py runs, then compare them.
+"""Run the cross product of config grids, or one key at a time, as train.py runs; compare them.
 
   python scripts/sweep.py --config=sft_sudoku --root=runs/ablate \
       --grid optimizer.lr=1e-3,3e-3 --grid loss.self_conditioning_prob=0.0,0.5 \
       --set max_train_minutes=10 [--parallel=1] [--eval_data=runs/easy.csv]
+  python scripts/sweep.py --config=sft_sudoku --root=runs/ofat --cores=0,1 \
+      --vary optimizer.lr=1e-3,3e-3 --vary batch_size=8,32 --set max_train_minutes=10
+
+--vary runs the recipe unchanged (point `recipe`) and each listed value alone: 5 points above.
 
 One workdir per point, named by its grid overrides (runs/ablate/optimizer.lr=1e-3,loss.self_
 conditioning_prob=0.0), each run's output in its train.log. Values are parsed like train.py's
@@ -24,6 +28,10 @@ _ROOT = flags.DEFINE_string("root", None, "Directory holding one workdir per poi
 _GRID = flags.DEFINE_multi_string(
     "grid", [], "KEY=V1,V2,...: a config key and its values, parsed like --config.KEY=V (no "
     "value may contain a comma); repeat for more keys: the sweep runs the cross product.")
+_VARY = flags.DEFINE_multi_string(
+    "vary", [], "KEY=V1,V2,...: one key at a time instead of the cross product: the recipe "
+    "unchanged (point 'recipe') plus one point per value with only that key changed; repeat "
+    "for more keys. Not with --grid.")
 _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE applied to every point (repeatable).")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Points trained at the same time.")
 _CORES = flags.DEFINE_list(
@@ -67,7 +75,8 @@ def main(argv):
   from diffgemma.tasks import make_task
   from diffgemma.tools import compare, sweep
 
-  points = sweep.plan(_CONFIG.value, _ROOT.value, _GRID.value, _SET.value, _INIT_FROM.value)
+  points = sweep.plan(_CONFIG.value, _ROOT.value, _GRID.value, _SET.value, _INIT_FROM.value,
+                      _VARY.value)
   if _EVAL_DATA.value:  # a bad file fails now, before anything trains
     make_task(points[0].config, training=False).load_eval_file(_EVAL_DATA.value,
                                                                _EVAL_LIMIT.value)

@@ -198,6 +198,29 @@ def test_sweep_plan_rejects(tiny_config, tmp_path, grid, sets, needle):
   assert not (tmp_path / "r").exists()
 
 
+def test_vary_plans_the_recipe_and_each_value_alone(tiny_config, tmp_path):
+  """--vary: n listed values give n + 1 points, each differing from the recipe in one key."""
+  from diffgemma import cli
+  from diffgemma.tools import sweep as sweep_lib
+
+  points = sweep_lib.plan(tiny_config, str(tmp_path / "r"), [], ["batch_size=2"],
+                          vary_specs=["optimizer.lr=1e-3,2e-3", "model.num_layers=2"])
+  assert [p.name for p in points] == [sweep_lib.RECIPE_POINT, "optimizer.lr=1e-3",
+                                      "optimizer.lr=2e-3", "model.num_layers=2"]
+  recipe = cli.parse_config(tiny_config, ["--config.batch_size=2"]).to_dict()
+  for point in points:
+    got = point.config.to_dict()
+    assert got["batch_size"] == 2
+    changed = {k for k in ("optimizer", "model") if got[k] != recipe[k]}
+    assert changed == {k.split(".")[0] for k, _ in point.grid}
+  assert points[2].config.optimizer.lr == 2e-3 and points[3].config.model.num_layers == 2
+  for grid, sets, needle in [(["optimizer.lr=1e-3"], [], "do not mix"),
+                             ([], ["optimizer.lr=1e-2"], "both --vary and --set")]:
+    with pytest.raises(cli.UserError, match=needle):
+      sweep_lib.plan(tiny_config, str(tmp_path / "r"), grid, sets,
+                     vary_specs=["optimizer.lr=1e-3"])
+
+
 def test_sweep_refuses_a_root_run_with_other_settings(sweep, tiny_config):
   """A --set value that differs from the one a point was trained with is not silently mixed."""
   from diffgemma import cli

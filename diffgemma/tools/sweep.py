@@ -1,5 +1,9 @@
-"""Sweeps: the cross product of config overrides, run as ordinary `train.py` processes.
+"""Sweeps: the cross product of config overrides, or one override at a time, run as ordinary
+`train.py` processes.
 
+`--grid` keys make the cross product; `--vary` keys make a one-factor-at-a-time design instead:
+the recipe itself (the point named `recipe`) and one point per value with only that key
+changed, the usual first sweep over many settings (n values cost n + 1 runs, not their product).
 Each point of the grid is one workdir under the sweep's root, named by its grid overrides in
 command-line order (`ROOT/optimizer.lr=3e-3,model.num_layers=2`); `--set` overrides apply to
 every point and do not enter the name. Values are strings parsed exactly as train.py parses
@@ -39,10 +43,14 @@ _POLL_S = 0.5
 _INTERRUPT_GRACE_S = 60
 
 FINISHED, RESUME, NEW, RUNNING = "finished", "resume", "new", "running"
+RECIPE_POINT = "recipe"  # the unchanged recipe's point in a --vary sweep
 
 
 def point_name(assignments: list[tuple[str, str]]) -> str:
-  """The workdir name of a grid point: "k1=v1,k2=v2" (a '/' in a value becomes '_')."""
+  """The workdir name of a grid point: "k1=v1,k2=v2" (a '/' in a value becomes '_'); the
+  recipe unchanged is `RECIPE_POINT`."""
+  if not assignments:
+    return RECIPE_POINT
   return ",".join(f"{k}={v.replace(os.sep, '_')}" for k, v in assignments)
 
 
@@ -119,28 +127,43 @@ def point_status(point: Point) -> str:
   return FINISHED if target and step >= target else RESUME
 
 
+def designs(grids: list[tuple[str, list[str]]], varied: list[tuple[str, list[str]]]
+            ) -> list[list[tuple[str, str]]]:
+  """The points' override lists: the cross product of `grids`, or, for `varied`, the recipe
+  (no override) then each value of each key alone, in command-line order."""
+  if grids:
+    return [list(combo) for combo in
+            itertools.product(*[[(k, v) for v in values] for k, values in grids])]
+  return [[]] + [[(k, v)] for k, values in varied for v in values]
+
+
 def plan(config_path: str, root: str, grid_specs: list[str], set_specs: list[str],
-         init_from: str | None = None) -> list[Point]:
+         init_from: str | None = None, vary_specs: list[str] = ()) -> list[Point]:
   """Parse, validate and classify every point; raises UserError before anything runs."""
   grids = cli.parse_value_lists(grid_specs, "grid")
-  if not grids:
-    raise cli.UserError("give at least one --grid KEY=V1,V2,...")
+  varied = cli.parse_value_lists(list(vary_specs), "vary")
+  if not grids and not varied:
+    raise cli.UserError("give at least one --grid KEY=V1,V2,... (cross product) or --vary "
+                        "KEY=V1,V2,... (one key at a time)")
+  if grids and varied:
+    raise cli.UserError("--grid (cross product) and --vary (one key at a time) do not mix; "
+                        "run them as two sweeps with their own --root")
   sets = [cli.parse_assignment(s, "set") for s in set_specs]
   for key, _ in sets:
-    if key in dict(grids):
-      raise cli.UserError(f"key {key!r} is in both --grid and --set")
+    if key in dict(grids) or key in dict(varied):
+      flag = "--grid" if key in dict(grids) else "--vary"
+      raise cli.UserError(f"key {key!r} is in both {flag} and --set")
   if init_from is not None and not os.path.exists(init_from):
     raise cli.UserError(f"--init_from {init_from!r} does not exist")
   points = []
-  for combo in itertools.product(*[[(k, v) for v in values] for k, values in grids]):
-    grid = list(combo)
+  for grid in designs(grids, varied):
     name = point_name(grid)
     if len(name.encode()) > MAX_NAME_BYTES:
       raise cli.UserError(f"point name {name[:60]!r}... is longer than {MAX_NAME_BYTES} bytes")
     config = cli.parse_config(config_path, overrides(sets + grid))
     validate_config(config, name, init_from)
     points.append(Point(name, os.path.join(os.path.abspath(root), name), grid, config))
-  keys = [k for k, _ in sets] + [k for k, _ in grids]
+  keys = [k for k, _ in sets] + [k for k, _ in grids + varied]
   for point in points:
     _check_existing(point, keys, init_from)
     point.status = point_status(point)
