@@ -35,7 +35,10 @@ def small_model(**fields) -> ml_collections.ConfigDict:
       qk_norm_init=32 ** -0.25,
       sliding_window=1024, num_experts=8, top_k_experts=2, moe_intermediate_size=128,
       param_dtype="float32", compute_dtype="float32", moe_impl="tiled", moe_tile_size=128)
-  return section(ModelConfig(**{**base, **fields}))
+  model = section(ModelConfig(**{**base, **fields}))
+  if "layer_types" not in fields:  # () is the default pattern for any num_layers, so that
+    model.layer_types = ()         # --config.model.num_layers=N alone gives a valid model
+  return model
 
 
 def get_config():

@@ -62,6 +62,24 @@ def test_inconsistent_config_value(tmp_path):
   one_line_error(r, "vocab_size")
 
 
+def test_depth_is_one_override():
+  """The small recipes leave layer_types to the default pattern, so num_layers alone sets the
+  depth (a sweep varies it as one key)."""
+  from diffgemma import cli
+  from diffgemma.model.config import ModelConfig, default_layer_types
+  from diffgemma.training import run_config
+
+  for name in ("sft_sudoku", "sft_chat"):
+    for depth in (3, 6):
+      config = cli.parse_config(f"configs/{name}.py", [f"--config.model.num_layers={depth}"])
+      model = ModelConfig(**config.model.to_dict())
+      assert model.layer_types == default_layer_types(depth)
+      run_config.build(config)  # the whole run config is consistent
+  explicit = cli.parse_config("configs/sft_sudoku.py", ["--config.model.num_layers=2",
+                                             "--config.model.layer_types=('full_attention','full_attention')"])
+  assert ModelConfig(**explicit.model.to_dict()).layer_types == ("full_attention",) * 2
+
+
 def test_chat_training_without_data(tmp_path):
   """Training needs data.train: one line before the workdir exists (it once failed with a
   traceback after creating the workdir)."""
