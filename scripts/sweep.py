@@ -12,7 +12,8 @@ One workdir per point, named by its grid overrides (runs/ablate/optimizer.lr=1e-
 conditioning_prob=0.0), each run's output in its train.log. Values are parsed like train.py's
 --config.KEY=VALUE, and every point is parsed and validated before anything starts. Rerunning
 skips finished points (ended at num_train_steps or on their max_train_minutes deadline) and
-resumes the others. At the end: scripts/compare_runs.py's table over all points, and its plot in
+resumes the others; two sweep processes may share a root (say one per core, the second started
+later): each skips the points the other has finished or is training. At the end: scripts/compare_runs.py's table over all points, and its plot in
 ROOT/compare.png (--out). --eval_data runs eval.py on each point's latest checkpoint and adds the
 results to the table (stored in WORKDIR/eval/NAME.json; not rerun for the same checkpoint).
 """
@@ -91,12 +92,15 @@ def main(argv):
 
   jobs = [sweep.Job(p.name, sweep.train_command(_CONFIG.value, p, sets, _INIT_FROM.value),
                     os.path.join(p.workdir, sweep.LOG_NAME),
-                    on_exit=lambda rc, w=p.workdir: sweep.describe_end(w))
+                    on_exit=lambda rc, w=p.workdir: sweep.describe_end(w),
+                    skip=sweep.train_job_skip(p))
           for p in points if p.status in (sweep.RESUME, sweep.NEW)]
   codes = sweep.run_jobs(jobs, parallel, out=lambda line: print(line, flush=True), cores=cores)
   if _EVAL_DATA.value:
+    # Every finished point (a point another sweep process still trains is left to it).
     eval_jobs = [j for j in (sweep.eval_job(p, _EVAL_DATA.value, _EVAL_LIMIT.value)
-                             for p in points if codes.get(p.name, 0) == 0) if j is not None]
+                             for p in points if codes.get(p.name, 0) == 0
+                             and sweep.point_status(p) == sweep.FINISHED) if j is not None]
     codes.update(sweep.run_jobs(eval_jobs, parallel, out=lambda line: print(line, flush=True),
                                 cores=cores))
 

@@ -221,6 +221,27 @@ def test_vary_plans_the_recipe_and_each_value_alone(tiny_config, tmp_path):
                      vary_specs=["optimizer.lr=1e-3"])
 
 
+def test_a_job_done_meanwhile_is_skipped(tmp_path):
+  """Two sweep processes on one root: a point the other one finished or is training when this
+  one's turn comes is skipped, not started a second time."""
+  import sys
+
+  from diffgemma.tools import sweep as sweep_lib
+
+  def job(name, skip=None):
+    marker = tmp_path / name
+    return sweep_lib.Job(name, [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
+                         str(tmp_path / f"{name}.log"), skip=skip)
+
+  lines = []
+  codes = sweep_lib.run_jobs([job("a"), job("b", lambda: "finished by another process"),
+                              job("c", lambda: None)], parallel=1, out=lines.append)
+  assert codes == {"a": 0, "c": 0}
+  assert (tmp_path / "a").exists() and (tmp_path / "c").exists() and not (tmp_path / "b").exists()
+  assert "skipped b: finished by another process" in lines
+  assert any(line.startswith("[2/2] started c") for line in lines)
+
+
 def test_sweep_refuses_a_root_run_with_other_settings(sweep, tiny_config):
   """A --set value that differs from the one a point was trained with is not silently mixed."""
   from diffgemma import cli

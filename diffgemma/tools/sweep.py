@@ -185,6 +185,24 @@ class Job:
   log_path: str
   stdout_path: str | None = None  # else stdout goes to the log too
   on_exit: Callable[[int], str] | None = None  # rc -> a line for the user
+  # Checked when the job's turn comes: a reason not to start it (e.g. another sweep process
+  # on the same root has trained the point meanwhile), else None.
+  skip: Callable[[], str | None] | None = None
+
+
+def train_job_skip(point: Point) -> Callable[[], str | None]:
+  """A train job's `skip`: the point finished or is being trained since the sweep planned it,
+  which happens when two sweep processes share one root (say one per core, started apart)."""
+
+  def reason() -> str | None:
+    status = point_status(point)
+    if status == FINISHED:
+      return "finished by another process"
+    if status == RUNNING:
+      return "being trained by another process"
+    return None
+
+  return reason
 
 
 def run_jobs(jobs: list[Job], parallel: int, out=print, cores: list[int] | None = None
@@ -202,6 +220,11 @@ def run_jobs(jobs: list[Job], parallel: int, out=print, cores: list[int] | None 
     while pending or active:
       while pending and len(active) < parallel:
         job = pending.pop(0)
+        reason = job.skip() if job.skip else None
+        if reason:
+          total -= 1
+          out(f"skipped {job.name}: {reason}")
+          continue
         busy = {entry[5] for entry in active.values()}
         core = next((c for c in cores if c not in busy), None) if cores else None
         os.makedirs(os.path.dirname(job.log_path), exist_ok=True)
