@@ -154,24 +154,24 @@ def sample_text():
   out = _timed_generate(lambda: generate(params, model_cfg, sampler_cfg, *args),
                         _WARM_RUNS.value, timing)
 
-  tokens = [int(t) for t in out["tokens"][0]]
+  tokens = [int(t) for t in out.tokens[0]]
   # Infilling: the reply runs at least through the suffix (a stop id before it is a token).
   fixed_end = int(infill[1].nonzero()[0][-1]) + 1 if infill is not None else 0
   end = next((i for i, t in enumerate(tokens) if t in stops and i >= fixed_end), None)
   if infill is not None:
-    print(task.infill_reply_text(out["tokens"][0], infill[1]))
+    print(task.infill_reply_text(out.tokens[0], infill[1]))
   else:
-    print(task.reply_text(out["tokens"][0]))
-  num_tokens, canvases = int(out["num_tokens"][0]), int(out["num_canvases"][0])
+    print(task.reply_text(out.tokens[0]))
+  num_tokens, canvases = int(out.num_tokens[0]), int(out.num_canvases[0])
   ended = (f"stopped at {task.tokenizer.decode([tokens[end]], skip_special_tokens=False)!r}"
            if end is not None else "token budget reached")
   print(f"[{num_prompt} prompt tokens, {num_tokens} generated ({ended}); "
-        f"TPF {float(out['tokens_per_forward'][0]):.2f}; {canvases} canvases, "
-        f"{float(out['steps_per_canvas'][0]):.1f} steps per canvas; "
+        f"TPF {float(out.tokens_per_forward[0]):.2f}; {canvases} canvases, "
+        f"{float(out.steps_per_canvas[0]):.1f} steps per canvas; "
         + latency_summary(timing, num_tokens, canvases) + "; "
         + provenance.describe_device(provenance.device_info()) + "]")
   if _TRACE.value and distributed.primary():
-    rows = task.write_trace(_TRACE.value, prompts, out["trajectory"])
+    rows = task.write_trace(_TRACE.value, prompts, out.trajectory)
     print(f"trace: {_TRACE.value} ({rows} denoising steps)")
 
 
@@ -293,11 +293,11 @@ def sample_run():
   out = _timed_generate(lambda: generate_fn(run.params, prompts.prompt_NxP, prompts.valid_NxP,
                                             jax.random.PRNGKey(_SEED.value)),
                         _WARM_RUNS.value, timing)
-  trajectory = out["trajectory"]
+  trajectory = out.trajectory
   print(f"checkpoint step {run.step} ({run.task.name}); prompt:")
   print(run.task.prompt_text(prompts))
   c = run.model_cfg.canvas_length
-  num_canvases = int(out["num_canvases"][0])
+  num_canvases = int(out.num_canvases[0])
   for k in range(num_canvases):
     num_steps = int(np.sum(trajectory["valid"][k, :, 0]))
     for n in range(num_steps):
@@ -305,13 +305,13 @@ def sample_run():
       print(f"\ncanvas {k + 1}, step {n + 1}/{run.sampler_cfg.max_denoising_steps}: {accepted} "
             "positions accepted")
       print(run.task.reply_text(trajectory["argmax"][k, n, 0], prompts, first_slot=k * c))
-  print(f"\nfinal reply after {int(out['decoder_passes'][0])} denoising steps over "
+  print(f"\nfinal reply after {int(out.decoder_passes[0])} denoising steps over "
         f"{num_canvases} canvas(es) (tokens per forward "
-        f"{float(out['tokens_per_forward'][0]):.2f}; "
-        + latency_summary(timing, int(out["num_tokens"][0]), num_canvases) + "; "
+        f"{float(out.tokens_per_forward[0]):.2f}; "
+        + latency_summary(timing, int(out.num_tokens[0]), num_canvases) + "; "
         + provenance.describe_device(provenance.device_info()) + "):")
-  print(run.task.reply_text(out["tokens"][0], prompts))
-  verdict = run.task.verdict(prompts, out["tokens"][0])
+  print(run.task.reply_text(out.tokens[0], prompts))
+  verdict = run.task.verdict(prompts, out.tokens[0])
   if verdict:
     print(verdict)
   if _TRACE.value and distributed.primary():

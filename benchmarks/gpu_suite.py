@@ -290,15 +290,15 @@ def section_generate(suite: Suite, cfg: ModelConfig, shapes: dict, params, prefi
       start = time.perf_counter()
       out = jax.device_get(generate(params, prompt, valid, jax.random.PRNGKey(5)))
       seconds = time.perf_counter() - start
-      passes, canvases = int(out["decoder_passes"][0]), int(out["num_canvases"][0])
-      tokens = int(out["num_tokens"][0])
+      passes, canvases = int(out.decoder_passes[0]), int(out.num_canvases[0])
+      tokens = int(out.num_tokens[0])
       decode_s = seconds - prefill_s.get(on, 0.0)
       step_ms = decode_s / passes * 1e3
       # The latency fields of eval.py's JSON (training/evaluation.latency_metrics), batch 1.
       return {"ms": seconds * 1e3, "cold_seconds": cold_s, "warm_seconds": seconds,
               "seconds_per_canvas": seconds / canvases,
               "tokens_per_second_warm": tokens / seconds, "note": (
-          f"{passes} decoder passes ({steps}/canvas), {int(out['commit_passes'][0])} commits; "
+          f"{passes} decoder passes ({steps}/canvas), {int(out.commit_passes[0])} commits; "
           f"cold {cold_s:.2f} s (compile included), warm {seconds:.3f} s, "
           f"{seconds / canvases:.3f} s per canvas, {tokens / seconds:,.0f} tokens/s warm; "
           f"{step_ms:.2f} ms per step after the prefill; {new_tokens / decode_s:,.0f} tokens/s "

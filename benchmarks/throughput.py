@@ -49,7 +49,7 @@ def time_sampling(params, model_cfg, sampler_cfg, prompts):
   out = jax.device_get(generate_fn(params, prompts.prompt_NxP, prompts.valid_NxP,
                                    jax.random.PRNGKey(1)))
   seconds = time.perf_counter() - start
-  return float(np.sum(out["num_tokens"])) / seconds, float(np.mean(out["tokens_per_forward"]))
+  return float(np.sum(out.num_tokens)) / seconds, float(np.mean(out.tokens_per_forward))
 
 
 def main(argv):

@@ -289,7 +289,7 @@ def bench_generate(ref, params, cfg, sampler_cfg, batch: int, prompts_NxP):
   def ours(seed):
     outs = [jax.device_get(generate_fn(params, x, valid, jax.random.PRNGKey(seed)))
             for x in chunks]
-    return [(o["num_tokens"], o["steps_per_canvas"]) for o in outs]
+    return [(o.num_tokens, o.steps_per_canvas) for o in outs]
 
   def theirs(seed):
     outs = [rs.reference_generate(ref, x, sampler_cfg, cfg, seed) for x in chunks]

@@ -128,9 +128,9 @@ def reference_generate(ref, prompt_BxP, sampler_cfg: sampler.SamplerConfig,
   """The reference's `generate` (its default path: DynamicCache, eager PyTorch) on an unpadded
   prompt, with torch's global RNG seeded by `seed`.
 
-  Returns per-row numpy arrays as `sampler.generate` names them: tokens [B, K*C] (pad-filled
-  after an early stop of the whole batch), num_tokens, decoder_passes, num_canvases,
-  steps_per_canvas, tokens_per_forward (the reference's own).
+  Returns a dict of per-row numpy arrays named as `sampler.GenerateOutput`'s fields: tokens
+  [B, K*C] (pad-filled after an early stop of the whole batch), num_tokens, decoder_passes,
+  num_canvases, steps_per_canvas, tokens_per_forward (the reference's own).
   """
   prompt = torch.as_tensor(np.asarray(prompt_BxP), dtype=torch.long)
   c, k_max = model_cfg.canvas_length, sampler.num_canvases(model_cfg, sampler_cfg)
@@ -166,7 +166,7 @@ def ours_stats(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfi
       compiler_options)
   runs = [jax.device_get(generate_fn(params, prompt_BxP, valid, jax.random.PRNGKey(seed)))
           for seed in seeds]
-  return _concat_stats(runs)
+  return _concat_stats([run.to_dict() for run in runs])
 
 
 def reference_stats(ref, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfig, prompt_BxP,

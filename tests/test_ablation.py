@@ -304,35 +304,35 @@ def test_sudoku_gif_has_one_frame_per_step(sampled, tmp_path):
   from diffgemma.sampling import sampler
 
   out, puzzles, solutions, cfg = sampled
-  steps_B = out["canvas_steps"][:, 0]
+  steps_B = out.canvas_steps[:, 0]
   assert len(set(steps_B.tolist())) > 1  # the rows ran different numbers of steps
   for row, steps in enumerate(steps_B):
     path = tmp_path / f"row{row}.gif"
-    assert sudoku_traces.sudoku_gif(out["trajectory"], puzzles[row], str(path), row,
+    assert sudoku_traces.sudoku_gif(out.trajectory, puzzles[row], str(path), row,
                              solutions[row]) == steps
     assert Image.open(path).n_frames == steps
     # The last frame shows the canvas the sampler returned (before its EOS handling).
-    last = traces.trace_steps(out["trajectory"], row, canvases=[0])[-1]
+    last = traces.trace_steps(out.trajectory, row, canvases=[0])[-1]
     final, _ = sampler.finalize_canvas(last.tokens_C[None], np.zeros(1, bool), True, cfg)
-    np.testing.assert_array_equal(final[0], out["tokens"][row, :81])
+    np.testing.assert_array_equal(final[0], out.tokens[row, :81])
   row = int(np.argmax(steps_B))
-  montage = sudoku_traces.sudoku_montage(out["trajectory"], puzzles[row], row, max_frames=8, columns=4,
+  montage = sudoku_traces.sudoku_montage(out.trajectory, puzzles[row], row, max_frames=8, columns=4,
                                   cell_px=24)
-  h, w, _ = sudoku_traces.sudoku_frames(out["trajectory"], puzzles[row], row, cell_px=24)[0].shape
+  h, w, _ = sudoku_traces.sudoku_frames(out.trajectory, puzzles[row], row, cell_px=24)[0].shape
   shown = min(8, steps_B[row])
   assert montage.shape == (-(-shown // 4) * h, min(4, shown) * w, 3)
 
 
 def test_html_trace_has_one_row_per_step(sampled, tmp_path):
   out, puzzles, _, _ = sampled
-  trajectory = out["trajectory"]
+  trajectory = out.trajectory
   for row in range(len(puzzles)):
     path = tmp_path / f"row{row}.html"
     assert sudoku_traces.write_sudoku_trace(str(path), trajectory, puzzles[row], row) == \
-        out["canvas_steps"][row, 0]
+        out.canvas_steps[row, 0]
     parser = _Rows()
     parser.feed(path.read_text(encoding="utf-8"))
-    steps = out["canvas_steps"][row, 0]
+    steps = out.canvas_steps[row, 0]
     assert parser.rows == [81] * steps
     valid = trajectory["valid"][0, :, row]
     assert parser.accepted == trajectory["accepted"][0, valid, row, :81].sum(-1).tolist()
@@ -399,17 +399,17 @@ def test_periodic_eval_traces_reach_tensorboard(sampled, tmp_path):
 
   out, puzzles, solutions, _ = sampled
   writer = tb_writer.SummaryWriter(str(tmp_path))
-  sudoku_traces.log_sudoku_traces(writer, 3, out["trajectory"], puzzles, solutions, rows=(0, 1))
-  traces.log_text_traces(writer, 3, out["trajectory"], str, rows=(1,), max_steps=4)
+  sudoku_traces.log_sudoku_traces(writer, 3, out.trajectory, puzzles, solutions, rows=(0, 1))
+  traces.log_text_traces(writer, 3, out.trajectory, str, rows=(1,), max_steps=4)
   writer.close()
   acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
   acc.Reload()
   width, height, _ = tensor_util.make_ndarray(acc.Tensors("trace/sudoku")[0].tensor_proto)
-  montages = [sudoku_traces.sudoku_montage(out["trajectory"], puzzles[r], r) for r in (0, 1)]
+  montages = [sudoku_traces.sudoku_montage(out.trajectory, puzzles[r], r) for r in (0, 1)]
   assert int(height) == sum(m.shape[0] for m in montages)
   assert int(width) == max(m.shape[1] for m in montages)
   text = tensor_util.make_ndarray(acc.Tensors("trace/text")[0].tensor_proto).item().decode()
-  assert text.count("| canvas 1 step") == min(4, out["canvas_steps"][1, 0])
+  assert text.count("| canvas 1 step") == min(4, out.canvas_steps[1, 0])
 
 
 def test_compare_plots_each_run_against_its_recorded_headline_metric(tmp_path):

@@ -39,11 +39,12 @@ def test_a_rule_that_never_fires_is_bitwise_the_plain_sampler(params):
   plain = generate(params, base)
   never = generate(params, base.replace(ar_fallback="entropy", ar_fallback_entropy=1e9,
                                         ar_fallback_after_steps=2))
-  for key, value in plain.items():
-    np.testing.assert_array_equal(never[key], value, err_msg=key)
-  np.testing.assert_array_equal(never["ar_canvases"], 0)
-  np.testing.assert_array_equal(never["ar_passes"], 0)
-  assert sorted(set(never) - set(plain)) == ["ar_canvases", "ar_passes", "canvas_ar"]
+  for key, value in plain.to_dict().items():
+    np.testing.assert_array_equal(getattr(never, key), value, err_msg=key)
+  np.testing.assert_array_equal(never.ar_canvases, 0)
+  np.testing.assert_array_equal(never.ar_passes, 0)
+  assert sorted(never.to_dict().keys() - plain.to_dict().keys()) == [
+      "ar_canvases", "ar_passes", "canvas_ar"]
 
 
 @pytest.mark.parametrize("rule", ["unconverged", "entropy"])
@@ -58,19 +59,19 @@ def test_fallback_on_every_canvas_equals_ar_mode(params, ar, rule):
                               ar_fallback_entropy=0.0, ar_fallback_after_steps=2)
   out = generate(params, cfg)
   c = CFG.canvas_length
-  np.testing.assert_array_equal(out["tokens"][:, :c], ar["tokens"][:, :c])
-  np.testing.assert_array_equal(out["tokens"], ar["tokens"])
-  np.testing.assert_array_equal(out["ar_canvases"], out["num_canvases"])
-  np.testing.assert_array_equal(out["ar_passes"], ar["decoder_passes"])
+  np.testing.assert_array_equal(out.tokens[:, :c], ar.tokens[:, :c])
+  np.testing.assert_array_equal(out.tokens, ar.tokens)
+  np.testing.assert_array_equal(out.ar_canvases, out.num_canvases)
+  np.testing.assert_array_equal(out.ar_passes, ar.decoder_passes)
   steps = 4 if rule == "unconverged" else 2
-  ran = np.arange(out["canvas_steps"].shape[1])[None] < out["num_canvases"][:, None]
-  np.testing.assert_array_equal(out["canvas_steps"], np.where(ran, steps, 0))
-  np.testing.assert_array_equal(out["canvas_ar"], ran)
-  np.testing.assert_array_equal(out["decoder_passes"],
-                                out["canvas_steps"].sum(-1) + out["ar_passes"])
-  np.testing.assert_allclose(out["tokens_per_forward"],
-                             out["num_tokens"] / out["decoder_passes"], rtol=1e-6)
-  assert (out["tokens_per_forward"] < ar["tokens_per_forward"]).all()
+  ran = np.arange(out.canvas_steps.shape[1])[None] < out.num_canvases[:, None]
+  np.testing.assert_array_equal(out.canvas_steps, np.where(ran, steps, 0))
+  np.testing.assert_array_equal(out.canvas_ar, ran)
+  np.testing.assert_array_equal(out.decoder_passes,
+                                out.canvas_steps.sum(-1) + out.ar_passes)
+  np.testing.assert_allclose(out.tokens_per_forward,
+                             out.num_tokens / out.decoder_passes, rtol=1e-6)
+  assert (out.tokens_per_forward < ar.tokens_per_forward).all()
 
 
 def test_ar_canvas_leaves_other_rows_alone(params, ar):
@@ -91,8 +92,8 @@ def test_ar_canvas_leaves_other_rows_alone(params, ar):
 
   out, passes = decode(params)
   np.testing.assert_array_equal(np.asarray(out)[~rows], canvas[~rows])
-  np.testing.assert_array_equal(np.asarray(out)[1], ar["tokens"][1, :CFG.canvas_length])
-  stopped = np.isin(ar["tokens"][1, :CFG.canvas_length], (CFG.eos_token_id,))
+  np.testing.assert_array_equal(np.asarray(out)[1], ar.tokens[1, :CFG.canvas_length])
+  stopped = np.isin(ar.tokens[1, :CFG.canvas_length], (CFG.eos_token_id,))
   first = np.flatnonzero(stopped)
   np.testing.assert_array_equal(np.asarray(passes),
                                 [0, first[0] + 1 if first.size else CFG.canvas_length, 0])

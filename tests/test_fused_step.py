@@ -1,6 +1,7 @@
 """The fused sampling step (sampler.fused_step, sampler.top_k) against the unfused step and a
 float64 numpy computation of the truncated distribution."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,22 +69,17 @@ def test_fused_generate_equals_the_unfused_generate_and_top_k_runs():
     return jax.tree_util.tree_map(np.asarray, out)
 
   plain, fused = generate(), generate(fused_step=True)
-  assert sorted(fused) == sorted(plain)
-  for key in plain:
-    np.testing.assert_array_equal(fused[key], plain[key], err_msg=key)
-  assert plain["tokens"].shape == (2, 16) and np.all(plain["decoder_passes"] > 0)
+  chex.assert_trees_all_equal(fused, plain)  # the same fields filled, every array equal
+  assert plain.tokens.shape == (2, 16) and np.all(plain.decoder_passes > 0)
   for top_k in (model_cfg.vocab_size, model_cfg.vocab_size + 7):
     untruncated = generate(fused_step=True, top_k=top_k)
-    for key in plain:
-      np.testing.assert_array_equal(untruncated[key], fused[key], err_msg=f"top_k={top_k}: {key}")
+    chex.assert_trees_all_equal(untruncated, fused, custom_message=f"top_k={top_k}")
   truncated = generate(fused_step=True, top_k=4)
-  assert sorted(truncated) == sorted(plain)
-  for key in plain:
-    assert truncated[key].shape == plain[key].shape, key
-  assert np.all((truncated["tokens"] >= 0) & (truncated["tokens"] < model_cfg.vocab_size))
-  assert np.all(truncated["decoder_passes"] > 0)
-  assert np.all((truncated["steps_per_canvas"] >= 1)
-                & (truncated["steps_per_canvas"] <= 6)), truncated["steps_per_canvas"]
+  chex.assert_trees_all_equal_shapes(truncated, plain)
+  assert np.all((truncated.tokens >= 0) & (truncated.tokens < model_cfg.vocab_size))
+  assert np.all(truncated.decoder_passes > 0)
+  assert np.all((truncated.steps_per_canvas >= 1)
+                & (truncated.steps_per_canvas <= 6)), truncated.steps_per_canvas
 
 
 def test_top_k_truncation_matches_float64():

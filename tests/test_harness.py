@@ -47,7 +47,7 @@ def recording(fn, calls):
   """`fn` with every call's output tokens kept."""
   def wrapped(*args):
     out = jax.tree_util.tree_map(np.asarray, fn(*args))
-    calls.append(out["tokens"])
+    calls.append(out.tokens)
     return out
   return wrapped
 

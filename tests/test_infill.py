@@ -30,10 +30,10 @@ def test_infill_never_changes_prefix_or_suffix(params):
   for seed in range(3):
     out = jax.tree_util.tree_map(np.asarray, sampler.infill(
         params, CFG, cfg, PROMPT, VALID, prefix, suffix, middle, jax.random.PRNGKey(seed)))
-    tokens = out["tokens"]
+    tokens = out.tokens
     np.testing.assert_array_equal(tokens[:, :2], np.broadcast_to(prefix, (3, 2)))
     np.testing.assert_array_equal(tokens[:, 6:10], np.broadcast_to(suffix, (3, 4)))
-    assert (out["num_canvases"] == 2).all()  # the suffix reaches into canvas 2
+    assert (out.num_canvases == 2).all()  # the suffix reaches into canvas 2
     middle_tokens = tokens[:, 2:6]
     assert (middle_tokens != PAD).all()
   stops = np.isin(middle_tokens, cfg.stop_token_ids)
@@ -43,9 +43,9 @@ def test_infill_never_changes_prefix_or_suffix(params):
   ar = jax.tree_util.tree_map(np.asarray, sampler.infill(
       params, CFG, cfg.replace(confidence_threshold=0.0, ar_fallback="unconverged"), PROMPT,
       VALID, prefix, suffix, middle, jax.random.PRNGKey(0)))
-  assert (ar["ar_canvases"] == 2).all()
-  np.testing.assert_array_equal(ar["tokens"][:, :2], np.broadcast_to(prefix, (3, 2)))
-  np.testing.assert_array_equal(ar["tokens"][:, 6:10], np.broadcast_to(suffix, (3, 4)))
+  assert (ar.ar_canvases == 2).all()
+  np.testing.assert_array_equal(ar.tokens[:, :2], np.broadcast_to(prefix, (3, 2)))
+  np.testing.assert_array_equal(ar.tokens[:, 6:10], np.broadcast_to(suffix, (3, 4)))
 
 
 def test_infill_slots_checks():
@@ -121,9 +121,9 @@ def test_infill_matches_brute_force_reference(params):
   out = jax.tree_util.tree_map(np.asarray, sampler.make_generate_fn(CFG, cfg)(
       params, PROMPT, VALID, rng, fixed, mask))
   # Stop ids in the reply (none forced here) would pad what follows: compare up to them.
-  got = out["tokens"]
+  got = out.tokens
   for r in range(3):
     eos = np.flatnonzero((want[r] == CFG.eos_token_id) & (np.arange(C) > 3))
     n = eos[0] + 1 if eos.size else C
     np.testing.assert_array_equal(got[r, :n], want[r, :n], err_msg=f"row {r}")
-  np.testing.assert_array_equal(out["decoder_passes"], want_steps)
+  np.testing.assert_array_equal(out.decoder_passes, want_steps)

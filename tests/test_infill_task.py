@@ -155,7 +155,7 @@ def test_untrained_run_on_infill_data_keeps_the_given_tokens(tmp_path):
 
   def recording(*args):  # the production generate, its outputs kept
     out = jax.tree_util.tree_map(np.asarray, generate(*args))
-    outs.append((args[4], out["tokens"], out["num_tokens"]))
+    outs.append((args[4], out.tokens, out.num_tokens))
     return out
 
   metrics, predictions = evaluation.evaluate(run.task, run.params, run.model_cfg,

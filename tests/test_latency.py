@@ -25,9 +25,11 @@ def stub(params, prompt_BxP, valid_BxP, rng):
   """Row i (its first prompt id) has i non-pad tokens over i canvases."""
   del params, valid_BxP, rng
   ids = np.asarray(prompt_BxP)[:, 0]
-  return {"tokens": np.zeros((len(ids), 4), np.int32), "num_tokens": ids.astype(np.int32),
-          "num_canvases": ids.astype(np.int32), "tokens_per_forward": np.ones(len(ids)),
-          "steps_per_canvas": np.ones(len(ids)), "decoder_passes": ids.astype(np.int32)}
+  return sampler.GenerateOutput(
+      tokens=np.zeros((len(ids), 4), np.int32), num_tokens=ids.astype(np.int32),
+      num_canvases=ids.astype(np.int32), tokens_per_forward=np.ones(len(ids)),
+      steps_per_canvas=np.ones(len(ids)), decoder_passes=ids.astype(np.int32),
+      commit_passes=np.maximum(ids - 1, 0).astype(np.int32))
 
 
 def test_timing_splits_cold_from_warm_by_hand():
@@ -82,7 +84,7 @@ def test_tiny_model_warm_is_faster_than_cold_and_tokens_per_second_is_consistent
   fn = sampler.make_generate_fn(cfg, scfg)
   tokens = sum(int(np.sum(fn(params, timing_prompts.prompt_NxP[s:s + 2],
                              timing_prompts.valid_NxP[s:s + 2],
-                             jax.random.fold_in(jax.random.PRNGKey(0), s))["num_tokens"]))
+                             jax.random.fold_in(jax.random.PRNGKey(0), s)).num_tokens))
                for s in (0, 2))
   assert metrics["tokens_per_second_warm"] == pytest.approx(
       tokens / (metrics["warm_seconds"] * metrics["warm_calls"]), rel=1e-9)

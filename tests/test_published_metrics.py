@@ -93,14 +93,14 @@ class StubGenerate:
       tokens = np.array([[i, 10 * i, 100 * i, 1000 * i] for i in ids], np.int32)
     else:
       tokens = np.stack([self.reply(i) for i in ids]).astype(np.int32)
-    out = {"tokens": tokens}
-    for key in row_stats(0):
-      out[key] = np.array([row_stats(i)[key] for i in ids])
+    trajectory = None
     if self.trajectory:
       trajs = [row_trajectory(i) for i in ids]
-      out["trajectory"] = {"argmax": np.stack([a for a, _ in trajs], axis=2),  # [K, N, B, C]
-                           "valid": np.stack([v for _, v in trajs], axis=2)}  # [K, N, B]
-    return out
+      trajectory = {"argmax": np.stack([a for a, _ in trajs], axis=2),  # [K, N, B, C]
+                    "valid": np.stack([v for _, v in trajs], axis=2)}  # [K, N, B]
+    return sampler.GenerateOutput(
+        tokens=tokens, commit_passes=np.zeros(len(ids), np.int32), trajectory=trajectory,
+        **{key: np.array([row_stats(i)[key] for i in ids]) for key in row_stats(0)})
 
 
 def id_prompts(n: int) -> Prompts:
@@ -365,18 +365,16 @@ def test_evaluate_merges_task_and_sampler_metrics_over_padded_batches():
       shifted = np.array(prompt_BxP)
       shifted[:, 0] = ids  # StubGenerate keys its stats on slot 0
       out = super().__call__(params, shifted, valid_BxP, rng)
-      out["tokens"] = np.stack([by_prompt[int(i)] for i in ids])
       traj = [row_trajectory(int(i)) for i in ids]
       # A Sudoku profile reads canvas 0's argmax / accepted / entropy over 81 cells.
-      out["trajectory"] = {
+      return out.replace(tokens=np.stack([by_prompt[int(i)] for i in ids]), trajectory={
           "argmax": np.stack([np.broadcast_to(by_prompt[int(i)][None, None, :81],
                                               (1, NSTEPS, 81)) for i in ids], axis=2),
           "valid": np.stack([v[:1] for _, v in traj], axis=2),
           "accepted": np.stack([np.broadcast_to((np.arange(81) % (int(i) + 1) == 0)[None, None],
                                                 (1, NSTEPS, 81)) for i in ids], axis=2),
           "entropy": np.stack([np.broadcast_to(np.full((1, NSTEPS, 81), 0.01 * int(i)),
-                                               (1, NSTEPS, 81)) for i in ids], axis=2)}
-      return out
+                                               (1, NSTEPS, 81)) for i in ids], axis=2)})
 
   orig = evaluation.time
   evaluation.time = fake_clock()

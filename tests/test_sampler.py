@@ -2,6 +2,7 @@
 
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,12 +186,12 @@ def test_left_to_right_generate_on_the_tiny_model(params):
   cfg = sampler.SamplerConfig(max_denoising_steps=6, max_new_tokens=2 * CFG.canvas_length,
                               entropy_bound=0.5, acceptance="left_to_right")
   out = sampler.generate(params, CFG, cfg, prompt, jnp.ones((4, 6), bool), jax.random.PRNGKey(3))
-  tokens = np.asarray(out["tokens"])
+  tokens = np.asarray(out.tokens)
   for row in tokens:
     ends = np.flatnonzero(row == EOS)
     if ends.size:
       assert (row[ends[0] + 1:] == PAD).all()
-  np.testing.assert_array_equal(np.asarray(out["num_tokens"]), (tokens != PAD).sum(-1))
+  np.testing.assert_array_equal(np.asarray(out.num_tokens), (tokens != PAD).sum(-1))
   with pytest.raises(ValueError, match="acceptance"):
     sampler.SamplerConfig(acceptance="random")
 
@@ -202,13 +203,13 @@ def test_stops_in_order_generate_on_the_tiny_model(params):
   cfg = sampler.SamplerConfig(max_denoising_steps=6, max_new_tokens=2 * CFG.canvas_length,
                               entropy_bound=0.5, stop_in_order=True)
   out = sampler.generate(params, CFG, cfg, prompt, jnp.ones((4, 6), bool), jax.random.PRNGKey(3))
-  tokens = np.asarray(out["tokens"])
+  tokens = np.asarray(out.tokens)
   assert tokens.shape == (4, 2 * CFG.canvas_length)
   for row in tokens:
     ends = np.flatnonzero(row == EOS)
     if ends.size:
       assert (row[ends[0] + 1:] == PAD).all()
-  np.testing.assert_array_equal(np.asarray(out["num_tokens"]), (tokens != PAD).sum(-1))
+  np.testing.assert_array_equal(np.asarray(out.num_tokens), (tokens != PAD).sum(-1))
   with pytest.raises(ValueError, match="stop_in_order"):
     sampler.SamplerConfig(mode="ar", stop_in_order=True)
 
@@ -462,17 +463,17 @@ def test_generate_bookkeeping_with_scripted_decoder(params, patch_model):
   expected_tokens[0, :4] = row0[:4]
   expected_tokens[1] = row1.reshape(-1)
   expected_tokens[2] = v - 1
-  np.testing.assert_array_equal(out["tokens"], expected_tokens)
-  np.testing.assert_array_equal(out["decoder_passes"], [2, 6, 3 * n_max])
-  np.testing.assert_array_equal(out["commit_passes"], [0, 2, 2])
-  np.testing.assert_array_equal(out["num_canvases"], [1, 3, 3])
-  np.testing.assert_array_equal(out["canvas_steps"], [[2, 0, 0], [2, 2, 2], [n_max] * 3])
-  np.testing.assert_array_equal(out["num_tokens"], [4, 24, 24])
-  np.testing.assert_allclose(out["steps_per_canvas"], [2, 2, n_max])
-  np.testing.assert_allclose(out["tokens_per_forward"], [2, 4, 24 / (3 * n_max)])
-  traj = out["trajectory"]
+  np.testing.assert_array_equal(out.tokens, expected_tokens)
+  np.testing.assert_array_equal(out.decoder_passes, [2, 6, 3 * n_max])
+  np.testing.assert_array_equal(out.commit_passes, [0, 2, 2])
+  np.testing.assert_array_equal(out.num_canvases, [1, 3, 3])
+  np.testing.assert_array_equal(out.canvas_steps, [[2, 0, 0], [2, 2, 2], [n_max] * 3])
+  np.testing.assert_array_equal(out.num_tokens, [4, 24, 24])
+  np.testing.assert_allclose(out.steps_per_canvas, [2, 2, n_max])
+  np.testing.assert_allclose(out.tokens_per_forward, [2, 4, 24 / (3 * n_max)])
+  traj = out.trajectory
   assert traj["canvas"].shape == traj["argmax"].shape == (3, n_max, 3, c)
-  np.testing.assert_array_equal(traj["valid"].sum(1).T, out["canvas_steps"])
+  np.testing.assert_array_equal(traj["valid"].sum(1).T, out.canvas_steps)
   # The last recorded argmax of each canvas is what was committed (before EOS padding).
   np.testing.assert_array_equal(traj["argmax"][:, -1, 1], row1)
 
@@ -489,30 +490,29 @@ def test_generate_end_to_end_tiny_model(params):
   fn = compile_generate(params, CFG, cfg)
   out = jax.tree_util.tree_map(np.asarray, fn(params, PROMPT, VALID, jax.random.PRNGKey(1)))
   again = jax.tree_util.tree_map(np.asarray, fn(params, PROMPT, VALID, jax.random.PRNGKey(1)))
-  other = np.asarray(fn(params, PROMPT, VALID, jax.random.PRNGKey(2))["tokens"])
+  other = np.asarray(fn(params, PROMPT, VALID, jax.random.PRNGKey(2)).tokens)
   b, k, c = PROMPT.shape[0], 3, CFG.canvas_length
-  for key in out:
-    np.testing.assert_array_equal(out[key], again[key], err_msg=key)  # same rng, same output
-  assert not np.array_equal(out["tokens"], other)
-  tokens = out["tokens"]
+  chex.assert_trees_all_equal(out, again)  # same rng, same output
+  assert not np.array_equal(out.tokens, other)
+  tokens = out.tokens
   assert tokens.shape == (b, k * c) and tokens.dtype == np.int32
   assert ((tokens >= 0) & (tokens < CFG.vocab_size)).all()
   for row in range(b):
     eos_at = np.flatnonzero(tokens[row] == EOS)
     if eos_at.size:  # everything after the first EOS is pad, and the row stopped there
       assert (tokens[row, eos_at[0] + 1:] == PAD).all()
-      assert out["num_canvases"][row] == eos_at[0] // c + 1
+      assert out.num_canvases[row] == eos_at[0] // c + 1
     else:
-      assert out["num_canvases"][row] == k
-  assert (out["decoder_passes"] >= out["num_canvases"]).all()
-  assert (out["decoder_passes"] <= n_max * out["num_canvases"]).all()
-  np.testing.assert_array_equal(out["decoder_passes"], out["canvas_steps"].sum(-1))
-  np.testing.assert_array_equal(out["commit_passes"], out["num_canvases"] - 1)
-  np.testing.assert_array_equal(out["num_tokens"], (tokens != PAD).sum(-1))
-  np.testing.assert_allclose(out["tokens_per_forward"],
-                             out["num_tokens"] / out["decoder_passes"], rtol=1e-6)
-  np.testing.assert_allclose(out["steps_per_canvas"],
-                             out["decoder_passes"] / out["num_canvases"], rtol=1e-6)
+      assert out.num_canvases[row] == k
+  assert (out.decoder_passes >= out.num_canvases).all()
+  assert (out.decoder_passes <= n_max * out.num_canvases).all()
+  np.testing.assert_array_equal(out.decoder_passes, out.canvas_steps.sum(-1))
+  np.testing.assert_array_equal(out.commit_passes, out.num_canvases - 1)
+  np.testing.assert_array_equal(out.num_tokens, (tokens != PAD).sum(-1))
+  np.testing.assert_allclose(out.tokens_per_forward,
+                             out.num_tokens / out.decoder_passes, rtol=1e-6)
+  np.testing.assert_allclose(out.steps_per_canvas,
+                             out.decoder_passes / out.num_canvases, rtol=1e-6)
 
 
 AR_MAX_NEW, AR_CANVASES = 12, 2
@@ -536,6 +536,31 @@ def ar_loop_tokens(params):
     loop_tokens.append(token)
     hidden, cache = encode(token[:, None].astype(np.int32), cache, np.ones((b, 1), bool))
   return np.stack(loop_tokens, 1)
+
+
+def test_generate_output_check_refuses_wrong_shapes_dtypes_and_fields():
+  """What `generate` builds is checked (sampler._check_output): a field of the wrong dtype or
+  shape, an optional field the mode does not fill, or one it fills left None, is refused."""
+  b, l = 2, 2 * CFG.canvas_length
+  ar_cfg = sampler.SamplerConfig(mode="ar", max_new_tokens=l)
+  counts = {name: np.zeros(b, np.int32)
+            for name in ("num_tokens", "decoder_passes", "commit_passes", "num_canvases")}
+  ok = sampler.GenerateOutput(tokens=np.zeros((b, l), np.int32), **counts,
+                              steps_per_canvas=np.ones(b, np.float32),
+                              tokens_per_forward=np.ones(b, np.float32))
+  sampler._check_output(ok, CFG, ar_cfg)
+  sampler._check_output(ok.replace(canvas_steps=np.zeros((b, 2), np.int32)), CFG,
+                        ar_cfg.replace(mode="diffusion"))
+  bad = [(ok.replace(tokens=ok.tokens.astype(np.int64)), ar_cfg),
+         (ok.replace(tokens=ok.tokens[:, 1:]), ar_cfg),
+         (ok.replace(num_canvases=np.zeros(b, np.float32)), ar_cfg),
+         (ok.replace(tokens_per_forward=np.ones(b + 1, np.float32)), ar_cfg),
+         (ok.replace(canvas_steps=np.zeros((b, 2), np.int32)), ar_cfg),  # AR fills no steps
+         (ok, ar_cfg.replace(mode="diffusion")),  # diffusion's canvas_steps missing
+         (ok.replace(canvas_steps=np.zeros((b, 3), np.int32)), ar_cfg.replace(mode="diffusion"))]
+  for out, cfg in bad:
+    with pytest.raises(AssertionError):
+      sampler._check_output(out, CFG, cfg)
 
 
 @pytest.mark.parametrize("stop_via", ["eos_token_id", "stop_token_ids"])
@@ -563,9 +588,14 @@ def test_ar_mode_matches_python_loop(params, ar_loop_tokens, stop_via):
     expected[row, :n] = loop_tokens[row, :n]
     lengths.append(n)
   assert lengths[1] < max_new
-  np.testing.assert_array_equal(out["tokens"], expected)
-  np.testing.assert_array_equal(out["decoder_passes"], lengths)
-  np.testing.assert_array_equal(out["commit_passes"], 0)
-  np.testing.assert_array_equal(out["num_tokens"], (expected != PAD).sum(-1))
-  np.testing.assert_allclose(out["tokens_per_forward"],
-                             out["num_tokens"] / out["decoder_passes"], rtol=1e-6)
+  # AR fills only the fields every mode fills; to_dict drops the diffusion-only ones (None).
+  assert list(out.to_dict()) == [
+      "tokens", "num_tokens", "decoder_passes", "commit_passes", "num_canvases",
+      "steps_per_canvas", "tokens_per_forward"]
+  assert out.canvas_steps is None and out.ar_canvases is None and out.trajectory is None
+  np.testing.assert_array_equal(out.tokens, expected)
+  np.testing.assert_array_equal(out.decoder_passes, lengths)
+  np.testing.assert_array_equal(out.commit_passes, 0)
+  np.testing.assert_array_equal(out.num_tokens, (expected != PAD).sum(-1))
+  np.testing.assert_allclose(out.tokens_per_forward,
+                             out.num_tokens / out.decoder_passes, rtol=1e-6)

@@ -251,13 +251,13 @@ def test_replay_reproduces_the_recorded_trajectory(tmp_path):
                                        jax.sharding.PartitionSpec())
   gen_rng = jax.device_put(jax.random.PRNGKey(5), on_mesh)
   out = sampler.make_generate_fn(model_cfg, scfg)(params, prompt, valid, gen_rng)
-  traj = out["trajectory"]
+  traj = out.trajectory
   steps = np.asarray(traj["valid"]).sum(1)  # [K, B]
   assert steps.shape == (3, b) and steps[0].min() >= 1 and len(np.unique(steps)) > 1
 
   replay = jax.jit(sdrl.replay, static_argnums=(1, 2))
   cache = jax.jit(sdrl.encode_context, static_argnums=1)(
-      params, model_cfg, prompt, valid, sdrl.context_tokens(out["tokens"], model_cfg))
+      params, model_cfg, prompt, valid, sdrl.context_tokens(out.tokens, model_cfg))
   for k in range(3):
     loop_key = jax.random.split(jax.random.fold_in(gen_rng, k))[1]  # denoise_canvas's
     canvas_cache = dict(cache, end=jnp.asarray(p + k * c))

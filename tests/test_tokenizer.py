@@ -208,7 +208,7 @@ def test_sample_text_end_to_end(checkpoint, tmp_path):
   args = (prompt_1xP, np.ones_like(prompt_1xP, bool), jax.random.PRNGKey(seed))
   generate = jax.jit(sampler.generate, static_argnums=(1, 2)).lower(
       params, model_cfg, sampler_cfg, *args).compile()
-  tokens = [int(t) for t in jax.device_get(generate(params, *args))["tokens"][0]]
+  tokens = [int(t) for t in jax.device_get(generate(params, *args)).tokens[0]]
   first_canvas = tokens[:model_cfg.canvas_length]
   # The first token from position 2 on that has not appeared before it.
   stop = next(t for j, t in enumerate(first_canvas) if j >= 2 and t not in first_canvas[:j]

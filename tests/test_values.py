@@ -371,7 +371,7 @@ def scripted_model(monkeypatch):
 
 
 def run_scripted(sampler_cfg, batch, fixed=None):
-  """`generate` on the scripted model: per-row outputs as numpy."""
+  """`generate` on the scripted model: its GenerateOutput as numpy."""
   params = {"embedding": jnp.zeros((SAMPLE_CFG.vocab_size, SAMPLE_CFG.hidden_size))}
   prompt = np.full((batch, PROMPT_LEN), 5, np.int32)
   args = (params, prompt, np.ones(prompt.shape, bool), jax.random.PRNGKey(0))
@@ -462,12 +462,12 @@ def brute_force_generate(decode_KxBxCxV, ar_tokens_BxL, cfg: sampler.SamplerConf
   return out
 
 
-def assert_same_rows(got, expected, keys):
+def assert_same_rows(got: sampler.GenerateOutput, expected: dict, keys):
   for key in keys:
     if key in ("steps_per_canvas", "tokens_per_forward"):  # float32 ratios of exact counts
-      np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, err_msg=key)
+      np.testing.assert_allclose(getattr(got, key), expected[key], rtol=1e-6, err_msg=key)
     else:
-      np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+      np.testing.assert_array_equal(getattr(got, key), expected[key], err_msg=key)
 
 
 # In the order compared: a failure names the first quantity that differs.

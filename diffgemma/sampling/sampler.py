@@ -24,9 +24,11 @@ import dataclasses
 import math
 from typing import Any, NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from diffgemma.model import fields, network
 from diffgemma.model.config import ModelConfig
@@ -536,23 +538,101 @@ def denoise_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
 # ----------------------------------------------------------------------------- generation
 
 
-def _row_stats(tokens_BxL, decoder_passes_B, commit_passes_B, canvases_B, pad: int,
-               given_BxL=None):
-  """Per-row statistics; TPF = generated non-pad tokens / decoder passes (the reference's).
-  `given_BxL` (infilling's fixed slots) are not generated, so not counted."""
-  generated_BxL = tokens_BxL != pad
+@struct.dataclass(kw_only=True)
+class GenerateOutput:
+  """What `generate` returns (a pytree: jit returns it, `jax.tree_util` maps over it).
+
+  Every mode fills:
+    tokens [B, K*C] int32: the reply slots, pad after a row's end;
+    num_tokens [B] int32: generated non-pad tokens (infilling's fixed ones not counted);
+    decoder_passes [B] int32: denoising forwards (AR, and the AR fallback's canvases:
+      token-producing forwards);
+    commit_passes [B] int32: canvas commits the row needed (AR: 0);
+    num_canvases [B] int32: canvases the row ran (AR: canvas-sized blocks it wrote into);
+    steps_per_canvas [B] float32 = decoder_passes / num_canvases;
+    tokens_per_forward [B] float32 = num_tokens / decoder_passes (TPF, the reference's).
+  The rest are None where the mode does not fill them:
+    canvas_steps [B, K] int32: denoising steps of each canvas (diffusion);
+    ar_canvases [B] int32, ar_passes [B] int32, canvas_ar [B, K] bool: canvases decoded left to
+      right, their token-producing forwards (already in decoder_passes) and which canvases
+      (diffusion with `ar_fallback`);
+    trajectory: {canvas, argmax int32, accepted bool, entropy float32: [K, N, B, C]; valid bool
+      [K, N, B]}, every denoising step of every canvas (diffusion with `record_trajectory`;
+      `denoise_canvas` says what each holds).
+  """
+
+  tokens: jax.Array
+  num_tokens: jax.Array
+  decoder_passes: jax.Array
+  commit_passes: jax.Array
+  num_canvases: jax.Array
+  steps_per_canvas: jax.Array
+  tokens_per_forward: jax.Array
+  canvas_steps: jax.Array | None = None
+  ar_canvases: jax.Array | None = None
+  ar_passes: jax.Array | None = None
+  canvas_ar: jax.Array | None = None
+  trajectory: dict[str, jax.Array] | None = None
+
+  def to_dict(self) -> dict[str, Any]:
+    """{field: value} of the fields this mode filled (None ones dropped)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None}
+
+
+def _output(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, tokens_BxL, decoder_passes_B,
+            commit_passes_B, canvases_B, given_BxL=None, **optional) -> GenerateOutput:
+  """The GenerateOutput of a finished generation, its per-row ratios derived (TPF = generated
+  non-pad tokens / decoder passes, the reference's) and checked (`_check_output`).
+  `given_BxL` (infilling's fixed slots) are not generated, so not counted; `optional`: the
+  fields this mode fills beyond every mode's."""
+  generated_BxL = tokens_BxL != model_cfg.pad_token_id
   if given_BxL is not None:
     generated_BxL &= ~given_BxL
   num_tokens_B = jnp.sum(generated_BxL, axis=-1).astype(jnp.int32)
-  return {
-      "tokens": tokens_BxL,
-      "num_tokens": num_tokens_B,
-      "decoder_passes": decoder_passes_B,
-      "commit_passes": commit_passes_B,
-      "num_canvases": canvases_B,
-      "steps_per_canvas": decoder_passes_B / jnp.maximum(canvases_B, 1),
-      "tokens_per_forward": num_tokens_B / jnp.maximum(decoder_passes_B, 1),
-  }
+  out = GenerateOutput(
+      tokens=tokens_BxL, num_tokens=num_tokens_B, decoder_passes=decoder_passes_B,
+      commit_passes=commit_passes_B, num_canvases=canvases_B,
+      steps_per_canvas=decoder_passes_B / jnp.maximum(canvases_B, 1),
+      tokens_per_forward=num_tokens_B / jnp.maximum(decoder_passes_B, 1), **optional)
+  _check_output(out, model_cfg, sampler_cfg)
+  return out
+
+
+def _check_output(out: GenerateOutput, model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
+  """Every field's shape and dtype as GenerateOutput states them, and exactly the optional
+  fields this mode fills (static under jit: shapes, dtypes and None-ness only)."""
+  b = out.tokens.shape[0]
+  k, c = num_canvases(model_cfg, sampler_cfg), model_cfg.canvas_length
+  n = sampler_cfg.max_denoising_steps
+  chex.assert_shape(out.tokens, (b, k * c))
+  chex.assert_type(out.tokens, jnp.int32)
+  counts_B = [out.num_tokens, out.decoder_passes, out.commit_passes, out.num_canvases]
+  ratios_B = [out.steps_per_canvas, out.tokens_per_forward]
+  chex.assert_shape(counts_B + ratios_B, (b,))
+  chex.assert_type(counts_B, jnp.int32)
+  chex.assert_type(ratios_B, jnp.float32)
+  diffusion, fallback = sampler_cfg.mode == DIFFUSION, bool(sampler_cfg.ar_fallback)
+  expected = {"canvas_steps": diffusion, "ar_canvases": fallback, "ar_passes": fallback,
+              "canvas_ar": fallback, "trajectory": diffusion and sampler_cfg.record_trajectory}
+  filled = {name: getattr(out, name) is not None for name in expected}
+  if filled != expected:
+    raise AssertionError(f"GenerateOutput fields filled {filled}, expected {expected}")
+  if diffusion:
+    chex.assert_shape(out.canvas_steps, (b, k))
+    chex.assert_type(out.canvas_steps, jnp.int32)
+  if fallback:
+    chex.assert_shape([out.ar_canvases, out.ar_passes], (b,))
+    chex.assert_type([out.ar_canvases, out.ar_passes], jnp.int32)
+    chex.assert_shape(out.canvas_ar, (b, k))
+    chex.assert_type(out.canvas_ar, bool)
+  if out.trajectory is not None:
+    traj = out.trajectory
+    names = ("canvas", "argmax", "accepted", "entropy")
+    chex.assert_shape([traj[name] for name in names], (k, n, b, c))
+    chex.assert_shape(traj["valid"], (k, n, b))
+    chex.assert_type([traj[name] for name in names + ("valid",)],
+                     [jnp.int32, jnp.int32, bool, jnp.float32, bool])
 
 
 def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
@@ -560,7 +640,9 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
   """Block-autoregressive canvases after an encoded prompt (see `generate`). With
   `ar_fallback`, `last_logits_BxV` (the next-token logits after the prompt) starts the AR
   decoding of a canvas that falls back; every commit then keeps its own last logits. `fixed`:
-  infilling's (tokens_BxL, mask_BxL) over the K*C reply slots (see `generate`)."""
+  infilling's (tokens_BxL, mask_BxL) over the K*C reply slots (see `generate`). Returns a
+  GenerateOutput with canvas_steps (and the fallback's fields, and the trajectory, when
+  configured)."""
   c, k_max = model_cfg.canvas_length, num_canvases(model_cfg, sampler_cfg)
   n_max = sampler_cfg.max_denoising_steps
   fallback = bool(sampler_cfg.ar_fallback)
@@ -642,15 +724,14 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
     return new
 
   carry = jax.lax.while_loop(cond, body, carry)
-  out = _row_stats(carry["tokens"], carry["passes"], carry["commits"], carry["canvases"],
-                   model_cfg.pad_token_id, None if fixed is None else fixed[1])
-  out["canvas_steps"] = carry["canvas_steps"]
+  optional = {"canvas_steps": carry["canvas_steps"]}
   if fallback:
-    out.update(ar_canvases=carry["ar_canvases"], ar_passes=carry["ar_passes"],
-               canvas_ar=carry["canvas_ar"])
+    optional.update(ar_canvases=carry["ar_canvases"], ar_passes=carry["ar_passes"],
+                    canvas_ar=carry["canvas_ar"])
   if sampler_cfg.record_trajectory:
-    out["trajectory"] = carry["trajectory"]
-  return out
+    optional["trajectory"] = carry["trajectory"]
+  return _output(model_cfg, sampler_cfg, carry["tokens"], carry["passes"], carry["commits"],
+                 carry["canvases"], None if fixed is None else fixed[1], **optional)
 
 
 def ar_canvas(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
@@ -734,7 +815,8 @@ def settle_steps(trajectory):
 
 def _generate_ar(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
                  last_logits_BxV, rng):
-  """Left-to-right decoding through the encoder: one token per encoder pass (see `generate`)."""
+  """Left-to-right decoding through the encoder: one token per encoder pass (see `generate`);
+  a GenerateOutput without the diffusion-only fields."""
   batch = last_logits_BxV.shape[0]
   c, k_max = model_cfg.canvas_length, num_canvases(model_cfg, sampler_cfg)
   max_new = sampler_cfg.max_new_tokens
@@ -764,11 +846,13 @@ def _generate_ar(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cac
   passes_B = carry["passes"]
   # Canvas-sized blocks the row wrote into, so the stats keep one format across modes.
   canvases_B = (passes_B + c - 1) // c
-  return _row_stats(carry["tokens"], passes_B, jnp.zeros_like(passes_B), canvases_B, pad)
+  return _output(model_cfg, sampler_cfg, carry["tokens"], passes_B, jnp.zeros_like(passes_B),
+                 canvases_B)
 
 
 def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_BxP,
-             prompt_valid_BxP=None, rng=None, fixed_BxL=None, fixed_mask_BxL=None) -> dict:
+             prompt_valid_BxP=None, rng=None, fixed_BxL=None, fixed_mask_BxL=None
+             ) -> GenerateOutput:
   """Generate after a (left-padded) prompt; jittable with configs static (`make_generate_fn`).
 
   Allocates a cache of P + K*C slots (K = ceil(max_new_tokens / C)), encodes the prompt (pads
@@ -777,15 +861,8 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
       it; rows stop at EOS (or a `stop_token_ids` id) or the budget; the loop stops when every
       row has; or
     ar: one token per encoder pass from the last hidden state (greedy or `ar_temperature`).
-  Returns a dict:
-    tokens [B, K*C] int32 (pad after a row's end), num_tokens [B] (non-pad tokens),
-    decoder_passes [B] (denoising forwards; AR: token-producing forwards), commit_passes [B]
-    (canvas commits the row needed; AR: 0), num_canvases [B], steps_per_canvas [B],
-    tokens_per_forward [B] = num_tokens / decoder_passes; diffusion only: canvas_steps [B, K],
-    with `ar_fallback` ar_canvases [B] (canvases decoded left to right), ar_passes [B] (their
-    token-producing forwards, included in decoder_passes) and canvas_ar [B, K] (which), and
-    with `record_trajectory` trajectory {canvas, argmax, accepted, entropy: [K,N,B,C],
-    valid [K,N,B]}.
+  Returns a GenerateOutput: the tokens and per-row statistics; the fields only some modes fill
+  (canvas_steps, the AR fallback's, the trajectory) are None in the others.
   Infilling (diffusion mode): `fixed_BxL` int32 and `fixed_mask_BxL` bool over the K*C reply
   slots give clean tokens (e.g. a prefix and a suffix, `infill_slots`) that sit in their
   canvases from the start and are never re-noised; a stop id before a row's last fixed slot
@@ -818,7 +895,7 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
 
 def make_generate_fn(model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
   """`fn(params, prompt_BxP, prompt_valid_BxP, rng, fixed_BxL=None, fixed_mask_BxL=None) ->
-  dict`, jitted for these configs (the fixed tokens: infilling, see `generate`)."""
+  GenerateOutput`, jitted for these configs (the fixed tokens: infilling, see `generate`)."""
   jitted = jax.jit(generate, static_argnums=(1, 2))
 
   def generate_fn(params, prompt_BxP, prompt_valid_BxP, rng, fixed_BxL=None,
@@ -851,7 +928,8 @@ def infill_slots(prefix_ids, suffix_ids, middle_len: int, num_slots: int, pad_id
 
 
 def infill(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_BxP,
-           prompt_valid_BxP, prefix_ids, suffix_ids, middle_len: int, rng=None) -> dict:
+           prompt_valid_BxP, prefix_ids, suffix_ids, middle_len: int, rng=None
+           ) -> GenerateOutput:
   """Generate the middle between a prefix and a suffix (the same for every row) after each
   prompt: `generate` with `infill_slots` fixed; jitted for these configs. The returned tokens
   hold the prefix, the middle (`tokens[:, len(prefix):len(prefix) + middle_len]`), the

@@ -18,19 +18,27 @@ from diffgemma.model.config import ModelConfig
 from diffgemma.sampling import sampler
 from diffgemma.tasks.base import Prompts, Task
 
+# The sampler's per-row statistics (`sampler.GenerateOutput` fields, [B] each) that the
+# evaluation keeps and means (`row_stats`).
 ROW_STATS = ("tokens_per_forward", "steps_per_canvas", "decoder_passes", "num_tokens",
-             "num_canvases", "settle_steps", "ar_canvases", "ar_passes")
+             "num_canvases", "ar_canvases", "ar_passes")
+
+
+def row_stats(out: sampler.GenerateOutput) -> dict:
+  """{name: [B]} of the ROW_STATS that `out`'s mode filled (the None ones skipped)."""
+  return {key: getattr(out, key) for key in ROW_STATS if getattr(out, key) is not None}
 
 
 def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, seed: int,
                         progress=None, warmup: bool = False, on_trajectory=None,
                         timing: dict | None = None):
-  """Run `generate_fn(params, prompt_BxP, valid_BxP, rng)` over the prompts in fixed-size
-  batches (the last one padded by repetition, so one compiled shape serves all). Prompts with
-  fixed tokens (infilling: `Prompts.fixed_NxL`, `fixed_mask_NxL`) pass their rows' as
-  `generate_fn(..., rng, fixed_BxL, fixed_mask_BxL)`.
+  """Run `generate_fn(params, prompt_BxP, valid_BxP, rng) -> sampler.GenerateOutput` over the
+  prompts in fixed-size batches (the last one padded by repetition, so one compiled shape serves
+  all). Prompts with fixed tokens (infilling: `Prompts.fixed_NxL`, `fixed_mask_NxL`) pass their
+  rows' as `generate_fn(..., rng, fixed_BxL, fixed_mask_BxL)`.
 
-  Returns (tokens_NxL, per-row stats {key: [N]}, sampler seconds). With `warmup`, one untimed
+  Returns (tokens_NxL, per-row stats {key: [N]} (`row_stats`, plus settle_steps), sampler
+  seconds). With `warmup`, one untimed
   call compiles first. When the sampler records trajectories, each row also gets settle_steps
   (`sampler.settle_steps`, averaged over the canvases it ran), and `on_trajectory(rows, traj)`
   sees each batch's trajectory cut to its real rows (e.g. to accumulate a step profile).
@@ -66,18 +74,16 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
     out = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(out))
     call_s = time.perf_counter() - t0
     seconds += call_s
-    calls.append((call_s, int(np.sum(out["num_tokens"][:real])) if "num_tokens" in out else 0,
-                  int(np.max(out["num_canvases"])) if "num_canvases" in out else 0))
-    tokens.append(out["tokens"][:real])
-    if "trajectory" in out:
-      settle_KxB = np.asarray(sampler.settle_steps(out["trajectory"]))
-      out["settle_steps"] = settle_KxB.sum(0) / np.maximum((settle_KxB > 0).sum(0), 1)
+    calls.append((call_s, int(np.sum(out.num_tokens[:real])), int(np.max(out.num_canvases))))
+    tokens.append(out.tokens[:real])
+    row = row_stats(out)
+    if out.trajectory is not None:
+      settle_KxB = np.asarray(sampler.settle_steps(out.trajectory))
+      row["settle_steps"] = settle_KxB.sum(0) / np.maximum((settle_KxB > 0).sum(0), 1)
       if on_trajectory is not None:
-        on_trajectory(rows, jax.tree_util.tree_map(lambda x: x[:, :, :real],
-                                                   out["trajectory"]))
-    for key in ROW_STATS:
-      if key in out:
-        stats.setdefault(key, []).append(out[key][:real])
+        on_trajectory(rows, jax.tree_util.tree_map(lambda x: x[:, :, :real], out.trajectory))
+    for key, value in row.items():
+      stats.setdefault(key, []).append(value[:real])
     if progress is not None:
       progress.update(real)
   stats = {k: np.concatenate(v) for k, v in stats.items()}

@@ -151,7 +151,7 @@ def evaluate_and_log(step, params, task: Task, model_cfg, sampler_cfg, prompts, 
     shown = prompts.take(slice(0, trace_rows))
     out = jax.device_get(trace_fn(params, shown.prompt_NxP, shown.valid_NxP,
                                   jax.random.PRNGKey(step)))
-    task.log_traces(writer, step, shown, out["trajectory"], rows=range(len(shown)))
+    task.log_traces(writer, step, shown, out.trajectory, rows=range(len(shown)))
   accuracies = sorted((k for k in metrics if k.endswith("accuracy")),
                       key=lambda k: k != task.headline_metric)  # the task's headline first
   shown = [f"{k}={metrics[k]:.3f}" for k in accuracies]

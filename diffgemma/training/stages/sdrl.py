@@ -283,8 +283,8 @@ def _row_major(x_KxMxB):
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfig,
-                   cfg: SdrlConfig, accum: int, prompt_BxP, prompt_valid_BxP, rollout: dict,
-                   weight_B, rng, token_weight_BxL=None):
+                   cfg: SdrlConfig, accum: int, prompt_BxP, prompt_valid_BxP,
+                   rollout: sampler.GenerateOutput, weight_B, rng, token_weight_BxL=None):
   """The training batch of one rollout, row-major, and its replay statistics (jitted; configs
   and the number of micro-batches `accum` static).
 
@@ -298,7 +298,7 @@ def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerC
   replay_agreement (share of replayed steps whose argmax canvas equals the recorded one) and
   state_position (mean step / steps of the canvas, of valid states).
   """
-  traj = rollout["trajectory"]
+  traj = rollout.trajectory
   k_max, _, b, c = traj["canvas"].shape
   p = prompt_BxP.shape[1]
   num = num_states(cfg, sampler_cfg)
@@ -308,7 +308,7 @@ def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerC
   per_state = lambda x_KxBx: jnp.broadcast_to(x_KxBx[:, None], (k_max, num) + x_KxBx.shape[1:])
   prefix_KxB = jnp.broadcast_to((p + c * jnp.arange(k_max, dtype=jnp.int32))[:, None], (k_max, b))
   batch = {"prompt_BxP": prompt_BxP, "prompt_valid_BxP": prompt_valid_BxP,
-           "context_BxT": context_tokens(rollout["tokens"], model_cfg),
+           "context_BxT": context_tokens(rollout.tokens, model_cfg),
            "weight_B": jnp.asarray(weight_B, jnp.float32),
            "prefix_len_BxS": _row_major(per_state(prefix_KxB)),
            "target_BxSxC": _row_major(per_state(final_KxBxC))}
@@ -523,8 +523,7 @@ class SdrlStage:
                            stream_key(state["rng"], _ROLLOUT_STREAM, step))
     # The whole rollout's tokens and per-row stats (the evaluation's list) on every process
     # (rows may live on other hosts).
-    host = distributed.fetch({key: out[key] for key in ("tokens", *evaluation.ROW_STATS)
-                              if key in out})
+    host = distributed.fetch({"tokens": out.tokens, **evaluation.row_stats(out)})
     tokens_BxL = np.asarray(host.pop("tokens"))
     t_rollout = time.perf_counter()
     stats = host
@@ -585,7 +584,7 @@ class SdrlStage:
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
     out = jax.eval_shape(self.generate_fn, params, prompt, valid, key)
     weights = jax.ShapeDtypeStruct((b,), jnp.float32)
-    token_weights = (jax.ShapeDtypeStruct(out["tokens"].shape, jnp.float32)
+    token_weights = (jax.ShapeDtypeStruct(out.tokens.shape, jnp.float32)
                      if self.cfg.cell_weighting != "none" else None)
     states, _ = jax.eval_shape(
         lambda *a: prepare_states(a[0], model_cfg, self.rollout_cfg, self.cfg,
