@@ -93,7 +93,8 @@ def main(argv):
   jobs = [sweep.Job(p.name, sweep.train_command(_CONFIG.value, p, sets, _INIT_FROM.value),
                     os.path.join(p.workdir, sweep.LOG_NAME),
                     on_exit=lambda rc, w=p.workdir: sweep.describe_end(w),
-                    skip=sweep.train_job_skip(p))
+                    skip=sweep.train_job_skip(p),
+                    lock_path=os.path.join(p.workdir, sweep.LOCK_NAME))
           for p in points if p.status in (sweep.RESUME, sweep.NEW)]
   codes = sweep.run_jobs(jobs, parallel, out=lambda line: print(line, flush=True), cores=cores)
   if _EVAL_DATA.value:

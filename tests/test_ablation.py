@@ -241,6 +241,20 @@ def test_a_job_done_meanwhile_is_skipped(tmp_path):
   assert "skipped b: finished by another process" in lines
   assert any(line.startswith("[2/2] started c") for line in lines)
 
+  # A job whose lock names another live process is that process's; a stale lock is not.
+  other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    (tmp_path / "held.lock").write_text(str(other.pid))
+    (tmp_path / "stale.lock").write_text("999999999")
+    held, stale = job("held"), job("stale")
+    held.lock_path, stale.lock_path = str(tmp_path / "held.lock"), str(tmp_path / "stale.lock")
+    lines.clear()
+    assert sweep_lib.run_jobs([held, stale], parallel=1, out=lines.append) == {"stale": 0}
+  finally:
+    other.kill()
+  assert "skipped held: being run by another sweep process" in lines
+  assert (tmp_path / "stale").exists() and not (tmp_path / "stale.lock").exists()
+
 
 def test_sweep_refuses_a_root_run_with_other_settings(sweep, tiny_config):
   """A --set value that differs from the one a point was trained with is not silently mixed."""

@@ -38,6 +38,7 @@ from diffgemma.tools import compare
 TRAIN_PY = os.path.join(provenance.REPO_ROOT, "train.py")
 EVAL_PY = os.path.join(provenance.REPO_ROOT, "eval.py")
 LOG_NAME = "train.log"  # each point's train.py output, appended per invocation
+LOCK_NAME = "sweep.lock"  # the pid of the sweep process running a point's job
 MAX_NAME_BYTES = 255  # a file name's limit on common file systems
 _POLL_S = 0.5
 _INTERRUPT_GRACE_S = 60
@@ -188,6 +189,27 @@ class Job:
   # Checked when the job's turn comes: a reason not to start it (e.g. another sweep process
   # on the same root has trained the point meanwhile), else None.
   skip: Callable[[], str | None] | None = None
+  # Held (holding this sweep process's pid) while the job runs, so that another sweep process
+  # on the same root does not start the same job (`held_by_other`); None: no lock.
+  lock_path: str | None = None
+
+
+def held_by_other(lock_path: str) -> bool:
+  """Whether `lock_path` names a live process other than this one."""
+  try:
+    with open(lock_path) as f:
+      pid = int(f.read().strip())
+  except (OSError, ValueError):
+    return False
+  if pid == os.getpid():
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass
+  return True
 
 
 def train_job_skip(point: Point) -> Callable[[], str | None]:
@@ -221,10 +243,16 @@ def run_jobs(jobs: list[Job], parallel: int, out=print, cores: list[int] | None 
       while pending and len(active) < parallel:
         job = pending.pop(0)
         reason = job.skip() if job.skip else None
+        if reason is None and job.lock_path and held_by_other(job.lock_path):
+          reason = "being run by another sweep process"
         if reason:
           total -= 1
           out(f"skipped {job.name}: {reason}")
           continue
+        if job.lock_path:
+          os.makedirs(os.path.dirname(job.lock_path), exist_ok=True)
+          with open(job.lock_path, "w") as f:
+            f.write(str(os.getpid()))
         busy = {entry[5] for entry in active.values()}
         core = next((c for c in cores if c not in busy), None) if cores else None
         os.makedirs(os.path.dirname(job.log_path), exist_ok=True)
@@ -247,6 +275,11 @@ def run_jobs(jobs: list[Job], parallel: int, out=print, cores: list[int] | None 
           stdout.close()
         del active[name]
         codes[name] = rc
+        if job.lock_path and not held_by_other(job.lock_path):
+          try:
+            os.remove(job.lock_path)
+          except FileNotFoundError:
+            pass
         minutes = (time.time() - start) / 60
         line = job.on_exit(rc) if job.on_exit else ""
         if rc == 0:
@@ -302,12 +335,17 @@ def eval_job(point: Point, data_path: str, limit: int | None) -> Job | None:
   if step is None:
     return None
   result = heldout_path(point.workdir, data_path)
-  if os.path.isfile(result):
+
+  def done() -> bool:
+    if not os.path.isfile(result):
+      return False
     with open(result) as f:
       saved = json.load(f)
-    if (saved.get("checkpoint_step") == step and saved.get("data") == os.path.abspath(data_path)
-        and saved.get("limit") == limit):
-      return None
+    return (saved.get("checkpoint_step") == step
+            and saved.get("data") == os.path.abspath(data_path) and saved.get("limit") == limit)
+
+  if done():
+    return None
   stem = os.path.splitext(result)[0]
   command = [sys.executable, EVAL_PY, f"--workdir={point.workdir}", f"--data={data_path}"]
   command += [f"--limit={limit}"] if limit else []
@@ -328,4 +366,6 @@ def eval_job(point: Point, data_path: str, limit: int | None) -> Job | None:
     shown = f"{headline} {metrics[headline]:.3f}, " if headline in metrics else ""
     return f"{os.path.basename(data_path)}: {shown}TPF {metrics['tokens_per_forward']:.2f}"
 
-  return Job(f"eval {point.name}", command, stem + ".log", stem + ".out", on_exit)
+  return Job(f"eval {point.name}", command, stem + ".log", stem + ".out", on_exit,
+             skip=lambda: "evaluated by another process" if done() else None,
+             lock_path=stem + ".lock")
