@@ -126,9 +126,11 @@ class ModelConfig:
     if self.layer_types[-1] != FULL:
       raise ValueError("the last of layer_types must be 'full_attention' (the reference forces "
                        "it)")
-    for n_kv in (self.num_kv_heads, self.num_global_kv_heads):
-      if self.num_heads % n_kv:
-        raise ValueError(f"num_heads={self.num_heads} is not a multiple of kv heads={n_kv}")
+    for name in ("num_kv_heads", "num_global_kv_heads"):
+      n_kv = getattr(self, name)
+      if n_kv < 1 or self.num_heads % n_kv:
+        raise ValueError(f"model.num_heads={self.num_heads} is not a multiple of "
+                         f"model.{name}={n_kv}")
     if self.top_k_experts > self.num_experts:
       raise ValueError(f"model.top_k_experts={self.top_k_experts} exceeds "
                        f"model.num_experts={self.num_experts}")
