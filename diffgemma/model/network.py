@@ -120,7 +120,7 @@ def layer_mask_specs(cfg: ModelConfig, q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv
   """{layer type: (MaskSpec, materialised [B,T,S] mask or None)}; the XLA path builds each
   mask once per layer type, the Pallas kernel builds it block by block itself."""
   specs = {}
-  for lt in dict.fromkeys(cfg.layer_types):  # first-use order: the same program text in every process
+  for lt in dict.fromkeys(cfg.layer_types):  # not set(): hash order varies by process
     spec = MaskSpec(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS,
                     cfg.sliding_window if lt == SLIDING else None)
     mask = None if cfg.attention_impl == "pallas" else mask_lib.attention_mask(*spec)
