@@ -1,6 +1,6 @@
 """The schedule fitted to the wall-clock budget (`num_train_steps=0`, `training.budget`): the fit
-against a brute-force search, and a fitted run that is stopped and resumed against an
-uninterrupted run given the fitted count explicitly (bitwise)."""
+against a brute-force search, and a fitted run that is stopped and resumed, or killed with -9 and
+rerun (slow tier), against an uninterrupted fitted run (bitwise)."""
 
 import json
 import os
@@ -120,3 +120,65 @@ def test_fitting_needs_a_budget_and_a_warmup_to_time(tmp_path):
   with pytest.raises(errors.ConfigError, match="optimizer.warmup_steps >= 3"):
     loop.train(config, str(tmp_path / "b"))
   assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+# `python -c _FIT_TO N train.py ARGS`: train.py, whose fit picks N steps (the count must not
+# depend on this machine's speed; the fit itself is tested above; no hook in the product).
+_FIT_TO = """
+import runpy, sys
+from diffgemma.training import budget
+
+count = int(sys.argv.pop(1))
+budget.fit_num_steps = lambda *args, **kwargs: count
+sys.argv.pop(0)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+FITTED_STEPS = 20
+FITTED_FLAGS = ["--config=tests/tiny_sudoku_config.py", "--config.num_train_steps=0",
+                "--config.max_train_minutes=30", "--config.optimizer.warmup_steps=3",
+                "--config.checkpoint_every=2"]
+
+
+@pytest.mark.slow
+def test_a_fitted_run_killed_then_rerun_equals_the_uninterrupted_fitted_run(tmp_path):
+  """kill -9 of a fitted train.py once its count is saved and a checkpoint is written, then the
+  same command: it resumes under the saved count (no second fit) and ends bitwise equal to an
+  uninterrupted fitted run."""
+  import subprocess
+  import sys
+  import time
+
+  from diffgemma.runs import checkpointing
+
+  def command(workdir):
+    return [sys.executable, "-c", _FIT_TO, str(FITTED_STEPS), "train.py", *FITTED_FLAGS,
+            f"--workdir={workdir}"]
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+  subprocess.run(command(straight), check=True, capture_output=True, env=env, timeout=600)
+  with open(tmp_path / "first.log", "w") as log:
+    proc = subprocess.Popen(command(killed), stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline:
+      if (checkpointing.latest_step(killed) or 0) >= 4:  # past the fit, mid-schedule
+        break
+      time.sleep(0.01)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.kill()
+    proc.wait()
+  killed_at = checkpointing.latest_step(killed)
+  assert 4 <= killed_at < FITTED_STEPS
+  assert json.load(open(os.path.join(killed, "config.json")))["num_train_steps"] == FITTED_STEPS
+  # The rerun's fit would pick another count if it were asked: it must not be.
+  rerun = [sys.executable, "-c", _FIT_TO, str(FITTED_STEPS + 5), *command(killed)[4:]]
+  done = subprocess.run(rerun, capture_output=True, text=True, env=env, timeout=600)
+  assert done.returncode == 0, done.stdout + done.stderr
+  runs = provenance.load_run_info(killed)["invocations"]
+  assert "budget_fit" in runs[0] and "budget_fit" not in runs[-1]
+  assert (runs[-1]["start_step"], runs[-1]["end_step"]) == (killed_at, FITTED_STEPS)
+  states = {}
+  for name, path in (("killed", killed), ("straight", straight)):
+    *_, states[name], _, step = restore_run(path)
+    assert step == FITTED_STEPS, (name, step)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, states["killed"], states["straight"])

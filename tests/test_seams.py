@@ -140,3 +140,19 @@ def test_heldout_table_leads_with_each_results_headline_metric():
   assert compare.headline_metric(sudoku) == "puzzle_accuracy"
   assert compare.heldout_metrics([heldout_run("s", sudoku)], "count") == [
       "puzzle_accuracy", "blank_cell_accuracy", "tokens_per_forward"]
+
+
+def test_ties_on_the_headline_are_broken_by_the_next_columns():
+  """A short proxy budget leaves every point at 0 puzzles: blank cells rank them, then TPF, then
+  steps per canvas (lower is better); a run without the headline goes last."""
+  def sudoku(puzzles, blank, tpf, spc):
+    return {"puzzle_accuracy": puzzles, "blank_cell_accuracy": blank, "tokens_per_forward": tpf,
+            "steps_per_canvas": spc, "headline_metric": "puzzle_accuracy"}
+
+  runs = [heldout_run("low", sudoku(0.0, 0.55, 9.0, 9.0)),
+          heldout_run("none", {"tokens_per_forward": 20.0}),
+          heldout_run("slow", sudoku(0.0, 0.60, 9.0, 12.0)),
+          heldout_run("best", sudoku(0.01, 0.50, 5.0, 20.0)),
+          heldout_run("fast", sudoku(0.0, 0.60, 9.0, 10.0))]
+  _, rows = compare.table(runs)
+  assert [r[0] for r in rows] == ["best", "fast", "slow", "low", "none"]

@@ -200,7 +200,7 @@ def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
              for m in heldout_metrics(runs, name)]
   header = (["run"] + keys + [f"{t.removeprefix('eval/')} final / best" for t in metrics]
             + [f"{name}: {m}" for name, m in heldout] + ["steps", "minutes", "tokens/s"])
-  runs = ranked(runs, heldout[0] if heldout else None, metrics[0] if metrics else None)
+  runs = ranked(runs, heldout, metrics[0] if metrics else None)
   rows = []
   for run in runs:
     row = [run.name] + [format_value(run.config.get(k)) for k in keys]
@@ -217,21 +217,29 @@ def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
   return header, rows
 
 
-def ranked(runs: list[Run], heldout: tuple[str, str] | None, tag: str | None) -> list[Run]:
-  """Best first: by the first held-out result (name, metric) where runs have one, else by the
-  final value of the first eval metric (the runs' headline); runs without it last, in order."""
-  lower = (heldout[1] if heldout else tag) in LOWER_IS_BETTER
+def ranked(runs: list[Run], heldout: list[tuple[str, str]], tag: str | None) -> list[Run]:
+  """Best first: by the first held-out set's results (name, metric) where runs have them, its
+  headline first and each further column breaking ties (quality, then speed: a short proxy
+  budget can leave every run at the same headline, 0 puzzles solved, while blank cells differ),
+  else by the final value of the first eval metric (the runs' headline); runs without it last,
+  in order."""
+  first_set = [(n, m) for n, m in heldout if n == heldout[0][0]] if heldout else []
 
-  def value(run):
-    if heldout is not None:
-      return run.heldout.get(heldout[0], {}).get(heldout[1])
+  def signed(metric, x):
+    return x if metric in LOWER_IS_BETTER or f"eval/{metric}" in LOWER_IS_BETTER else -x
+
+  def key(run):
+    if first_set:
+      values = [run.heldout.get(n, {}).get(m) for n, m in first_set]
+      if values[0] is None:
+        return None
+      return tuple(0.0 if v is None else signed(m, v) for (_, m), v in zip(first_set, values))
     fb = final_and_best(run.series.get(tag), tag) if tag else None
-    return None if fb is None else fb[0]
+    return None if fb is None else (signed(tag, fb[0]),)
 
-  scored = [(value(run), i, run) for i, run in enumerate(runs)]
-  known = sorted((s for s in scored if s[0] is not None),
-                 key=lambda s: (s[0] if lower else -s[0], s[1]))
-  return [run for _, _, run in known] + [run for v, _, run in scored if v is None]
+  scored = [(key(run), i, run) for i, run in enumerate(runs)]
+  known = sorted((s for s in scored if s[0] is not None), key=lambda s: (s[0], s[1]))
+  return [run for _, _, run in known] + [run for k, _, run in scored if k is None]
 
 
 def headline_metric(result: dict) -> str | None:
