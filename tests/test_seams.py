@@ -156,3 +156,14 @@ def test_ties_on_the_headline_are_broken_by_the_next_columns():
           heldout_run("fast", sudoku(0.0, 0.60, 9.0, 10.0))]
   _, rows = compare.table(runs)
   assert [r[0] for r in rows] == ["best", "fast", "slow", "low", "none"]
+
+  # A run missing a tie-breaker ranks after those that have it, for a lower-is-better column
+  # (steps per canvas) as for a higher-is-better one.
+  no_spc = sudoku(0.0, 0.60, 9.0, 10.0)
+  del no_spc["steps_per_canvas"]
+  runs = [heldout_run("no_spc", no_spc), heldout_run("fast", sudoku(0.0, 0.60, 9.0, 10.0))]
+  no_blank = sudoku(0.0, 0.60, 9.0, 10.0)
+  del no_blank["blank_cell_accuracy"]
+  runs += [heldout_run("no_blank", no_blank)]
+  _, rows = compare.table(runs)
+  assert [r[0] for r in rows] == ["fast", "no_spc", "no_blank"]

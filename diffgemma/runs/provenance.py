@@ -218,13 +218,18 @@ def running(workdir: str) -> dict | None:
   last = invocations[-1] if invocations else {}
   if "ended" in last or last.get("host") != platform.node() or "pid" not in last:
     return None
+  return last if process_alive(last["pid"]) else None
+
+
+def process_alive(pid: int) -> bool:
+  """Whether process `pid` exists on this host (another user's counts as alive)."""
   try:
-    os.kill(last["pid"], 0)
+    os.kill(pid, 0)
   except ProcessLookupError:
-    return None
-  except PermissionError:  # alive, another user's
+    return False
+  except PermissionError:
     pass
-  return last
+  return True
 
 
 def finished(workdir: str) -> dict | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 from typing import NamedTuple
 
@@ -233,7 +234,8 @@ def ranked(runs: list[Run], heldout: list[tuple[str, str]], tag: str | None) -> 
       values = [run.heldout.get(n, {}).get(m) for n, m in first_set]
       if values[0] is None:
         return None
-      return tuple(0.0 if v is None else signed(m, v) for (_, m), v in zip(first_set, values))
+      # A missing tie-breaker ranks after every measured value, whichever way the metric goes.
+      return tuple(math.inf if v is None else signed(m, v) for (_, m), v in zip(first_set, values))
     fb = final_and_best(run.series.get(tag), tag) if tag else None
     return None if fb is None else (signed(tag, fb[0]),)
 

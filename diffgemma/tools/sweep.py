@@ -201,15 +201,7 @@ def held_by_other(lock_path: str) -> bool:
       pid = int(f.read().strip())
   except (OSError, ValueError):
     return False
-  if pid == os.getpid():
-    return False
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    pass
-  return True
+  return pid != os.getpid() and provenance.process_alive(pid)
 
 
 def train_job_skip(point: Point) -> Callable[[], str | None]:
