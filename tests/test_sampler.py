@@ -196,6 +196,81 @@ def test_left_to_right_generate_on_the_tiny_model(params):
     sampler.SamplerConfig(acceptance="random")
 
 
+def brute_force_over_token_limit(entropy_C, sampled_C, limit, free_C, left_to_right):
+  """max_same_token_per_step's excluded positions for one row, in plain Python: walk the free
+  positions in the acceptance's order and exclude each whose token was already seen `limit`
+  times."""
+  free = [i for i in range(len(entropy_C)) if free_C[i]]
+  order = free if left_to_right else sorted(free, key=lambda i: (entropy_C[i], i))
+  seen, over = {}, np.zeros(len(entropy_C), bool)
+  for i in order:
+    over[i] = seen.get(sampled_C[i], 0) >= limit
+    seen[sampled_C[i]] = seen.get(sampled_C[i], 0) + 1
+  return over
+
+
+def test_the_same_token_limit_keeps_the_first_in_the_acceptances_order():
+  rng = np.random.default_rng(4)
+  b, c = 48, 12
+  entropy = rng.exponential(0.05, (b, c)).astype(np.float32)
+  entropy[rng.random((b, c)) < 0.3] = 0.0  # ties broken by position
+  sampled = rng.integers(20, 24, (b, c)).astype(np.int32)  # four tokens: many repeats
+  free = rng.random((b, c)) < 0.8
+  for limit in (1, 2, 3):
+    for left_to_right in (False, True):
+      for free_arg in (None, free):
+        ours = np.asarray(sampler.over_token_limit(
+            jnp.asarray(entropy), jnp.asarray(sampled), limit,
+            None if free_arg is None else jnp.asarray(free_arg), left_to_right))
+        row_free = np.ones((b, c), bool) if free_arg is None else free_arg
+        for row in range(b):
+          np.testing.assert_array_equal(
+              ours[row], brute_force_over_token_limit(entropy[row], sampled[row], limit,
+                                                      row_free[row], left_to_right),
+              err_msg=f"limit {limit}, left_to_right {left_to_right}, row {row}")
+  # A hand case: of three confident 'a's (20) at most one is kept; the bound then reaches 'b'.
+  entropy = np.array([[0.0, 0.0, 0.01, 0.02, 0.3]], np.float32)
+  sampled = np.array([[20, 20, 20, 21, 22]], np.int32)
+  over = sampler.over_token_limit(entropy, sampled, 1)
+  np.testing.assert_array_equal(np.asarray(over)[0], [False, True, True, False, False])
+  ranked = jnp.where(over, jnp.inf, entropy)
+  np.testing.assert_array_equal(
+      np.asarray(sampler.entropy_bounded_accept(ranked, 0.05) & ~over)[0],
+      [True, False, False, True, True])
+
+
+def test_the_same_token_limit_on_the_tiny_model(params):
+  """Every step keeps at most `limit` positions of any one token (read from the recorded
+  trajectory: a kept draw is the next step's input at that position), the row still keeps one
+  each step it runs, and the output is a valid generation; 0 is the reference's acceptance."""
+  prompt = jnp.asarray(np.random.default_rng(1).integers(3, CFG.vocab_size, (4, 6)), jnp.int32)
+  for limit in (1, 2):
+    cfg = sampler.SamplerConfig(max_denoising_steps=6, max_new_tokens=2 * CFG.canvas_length,
+                                entropy_bound=4.0, record_trajectory=True,
+                                max_same_token_per_step=limit)
+    out = sampler.generate(params, CFG, cfg, prompt, jnp.ones((4, 6), bool),
+                           jax.random.PRNGKey(3))
+    traj = jax.tree_util.tree_map(np.asarray, out.trajectory)
+    kept_any = 0
+    for k in range(traj["canvas"].shape[0]):
+      for n in range(traj["canvas"].shape[1] - 1):
+        for row in range(traj["canvas"].shape[2]):
+          if not (traj["valid"][k, n, row] and traj["valid"][k, n + 1, row]):
+            continue
+          accepted = traj["accepted"][k, n, row]
+          assert accepted.any()
+          kept = traj["canvas"][k, n + 1, row][accepted]
+          assert np.bincount(kept).max() <= limit, (limit, k, n, row, kept)
+          kept_any += accepted.sum()
+    assert kept_any
+    tokens = np.asarray(out.tokens)
+    np.testing.assert_array_equal(np.asarray(out.num_tokens), (tokens != PAD).sum(-1))
+  with pytest.raises(ValueError, match="max_same_token_per_step"):
+    sampler.SamplerConfig(mode="ar", max_same_token_per_step=1)
+  with pytest.raises(ValueError, match="max_same_token_per_step"):
+    sampler.SamplerConfig(max_same_token_per_step=-1)
+
+
 def test_stops_in_order_generate_on_the_tiny_model(params):
   """On: a valid generation on the tiny model (tokens after a row's stop are pad; the counts
   agree). Off is the default acceptance, the code path the reference tests above check."""

@@ -91,6 +91,11 @@ class SamplerConfig:
   # of parallel commits; on sort it lost to the reference's order, benchmarks/RESULTS.md
   # 2026-12-06). It implies stop_in_order's guarantee.
   acceptance: str = ACCEPT_ENTROPY
+  # At most this many positions drawing the same token are kept in one step (diffusion mode;
+  # 0 = off, the reference): the others wait for a later step, when the kept ones are in the
+  # canvas they see. Aimed at replies whose errors are token counts (sort's letters); the first
+  # in the acceptance's order are kept (`over_token_limit`).
+  max_same_token_per_step: int = 0
 
   def __post_init__(self):
     fields.check_types(self, "sampler.")
@@ -127,6 +132,10 @@ class SamplerConfig:
       raise ValueError(f"unknown acceptance {self.acceptance!r}; choose one of {ACCEPTANCES}")
     if self.ar_fallback_entropy < 0:
       raise ValueError("ar_fallback_entropy must be >= 0")
+    if self.max_same_token_per_step < 0:
+      raise ValueError("sampler.max_same_token_per_step must be >= 0 (0 = no limit)")
+    if self.max_same_token_per_step and self.mode != DIFFUSION:
+      raise ValueError("max_same_token_per_step applies to mode='diffusion'")
     object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
 
   def replace(self, **kwargs: Any) -> "SamplerConfig":
@@ -211,6 +220,31 @@ def accept_in_order(entropy_BxC, sampled_BxC, bound: float, stop_token_ids: tupl
   blocked_BxC = is_stop(sampled_BxC, stop_token_ids) & unkept_left_BxC
   ranked_BxC = jnp.where(blocked_BxC, jnp.inf, entropy_BxC)
   return entropy_bounded_accept(ranked_BxC, bound) & ~blocked_BxC
+
+
+def over_token_limit(entropy_BxC, sampled_BxC, limit: int, free_BxC=None,
+                     left_to_right: bool = False):
+  """Positions a step may not keep under SamplerConfig.max_same_token_per_step, [B, C] bool.
+
+  A position is over the limit when `limit` positions drawing the same token come before it in
+  the acceptance's order: lower entropy, ties in position order (the order of
+  `entropy_bounded_accept`), or further left under `left_to_right`. Only free positions count
+  and can be over (`free_BxC`; infilling's fixed tokens are not free). The lowest-entropy
+  position of a row is never over, so the acceptance still keeps one.
+  """
+  c = entropy_BxC.shape[-1]
+  pos_C = jnp.arange(c)
+  left_of_CxC = pos_C[None, :] < pos_C[:, None]  # [i, j]: j is left of i
+  if left_to_right:
+    before_BxCxC = jnp.broadcast_to(left_of_CxC, entropy_BxC.shape + (c,))
+  else:
+    e_i, e_j = entropy_BxC[:, :, None], entropy_BxC[:, None, :]
+    before_BxCxC = (e_j < e_i) | ((e_j == e_i) & left_of_CxC)
+  counted_BxCxC = before_BxCxC & (sampled_BxC[:, :, None] == sampled_BxC[:, None, :])
+  if free_BxC is not None:
+    counted_BxCxC &= free_BxC[:, None, :]
+  over_BxC = jnp.sum(counted_BxCxC, axis=-1) >= limit
+  return over_BxC if free_BxC is None else over_BxC & free_BxC
 
 
 def init_stability_history(batch: int, canvas_length: int, cfg: SamplerConfig):
@@ -401,14 +435,24 @@ def _accept_and_renoise(state: DenoiseState, sampled_BxC, argmax_BxC, entropy_Bx
                         model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
   """Keep the entropy-bounded accepted draws, renoise the rest with uniform tokens; finished
   rows keep their canvas and argmax. Returns (canvas_BxC, argmax_BxC, accepted_BxC)."""
-  if sampler_cfg.acceptance == ACCEPT_LEFT_TO_RIGHT:  # a left run: stops are in order already
-    accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound,
+  left_to_right = sampler_cfg.acceptance == ACCEPT_LEFT_TO_RIGHT
+  ranked_BxC, over_BxC = entropy_BxC, None
+  if sampler_cfg.max_same_token_per_step:
+    free_BxC = None if state.fixed_mask_BxC is None else ~state.fixed_mask_BxC
+    over_BxC = over_token_limit(entropy_BxC, sampled_BxC, sampler_cfg.max_same_token_per_step,
+                                free_BxC, left_to_right)
+    # Out of the ranking: they spend none of the bound (and end a left run).
+    ranked_BxC = jnp.where(over_BxC, jnp.inf, entropy_BxC)
+  if left_to_right:  # a left run: stops are in order already
+    accepted_BxC = entropy_bounded_accept(ranked_BxC, sampler_cfg.entropy_bound,
                                           left_to_right=True)
   elif sampler_cfg.stop_in_order:
-    accepted_BxC = accept_in_order(entropy_BxC, sampled_BxC, sampler_cfg.entropy_bound,
+    accepted_BxC = accept_in_order(ranked_BxC, sampled_BxC, sampler_cfg.entropy_bound,
                                    stop_ids(model_cfg, sampler_cfg))
   else:
-    accepted_BxC = entropy_bounded_accept(entropy_BxC, sampler_cfg.entropy_bound)
+    accepted_BxC = entropy_bounded_accept(ranked_BxC, sampler_cfg.entropy_bound)
+  if over_BxC is not None:
+    accepted_BxC &= ~over_BxC
   noise_BxC = jax.random.randint(noise_key, sampled_BxC.shape, 0, model_cfg.vocab_size,
                                  jnp.int32)
   canvas_BxC = jnp.where(accepted_BxC, sampled_BxC, noise_BxC)
