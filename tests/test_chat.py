@@ -223,6 +223,7 @@ def test_three_formats_and_assistant_turns(tmp_path):
 
 @pytest.mark.parametrize("line,needle", [
     ("{not json", "not JSON"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # was a RecursionError traceback
     (json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "no assistant turn"),
     (json.dumps({"messages": [{"role": "robot", "content": "hi"},
                               {"role": "assistant", "content": "x"}]}), "unknown role 'robot'"),

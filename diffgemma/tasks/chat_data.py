@@ -94,6 +94,9 @@ def read_jsonl(path: str) -> list[Conversation]:
           record = json.loads(text)
         except ValueError as e:
           raise ChatDataError(f"{path}:{number}: not JSON ({_first_line(e)})") from None
+        except RecursionError:  # the json module's C parser recurses once per nesting level
+          raise ChatDataError(f"{path}:{number}: JSON nested too deeply to read; a line holds "
+                              "one conversation, {\"messages\": [...]}") from None
         try:
           messages = parse_record(record)
           infill = parse_infill(record, messages)
