@@ -14,8 +14,9 @@ conditioning_prob=0.0), each run's output in its train.log. Values are parsed li
 skips finished points (ended at num_train_steps or on their max_train_minutes deadline) and
 resumes the others; two sweep processes may share a root (say one per core, the second started
 later): each skips the points the other has finished or is training. At the end:
-scripts/compare_runs.py's table over all points, and its plot in ROOT/compare.png (--out). --eval_data runs eval.py on each point's latest checkpoint and adds the
-results to the table (stored in WORKDIR/eval/NAME.json; not rerun for the same checkpoint).
+scripts/compare_runs.py's table over all points, and its plot in ROOT/compare.png (--out).
+--eval_data runs eval.py on each point's latest checkpoint and adds the results to the table
+(stored in WORKDIR/eval/NAME.json; not rerun for the same checkpoint).
 """
 
 import os

@@ -242,7 +242,7 @@ def test_the_same_token_limit_keeps_the_first_in_the_acceptances_order():
 def test_the_same_token_limit_on_the_tiny_model(params):
   """Every step keeps at most `limit` positions of any one token (read from the recorded
   trajectory: a kept draw is the next step's input at that position), the row still keeps one
-  each step it runs, and the output is a valid generation; 0 is the reference's acceptance."""
+  each step it runs, and the output is a valid generation."""
   prompt = jnp.asarray(np.random.default_rng(1).integers(3, CFG.vocab_size, (4, 6)), jnp.int32)
   for limit in (1, 2):
     cfg = sampler.SamplerConfig(max_denoising_steps=6, max_new_tokens=2 * CFG.canvas_length,
