@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-import kernels as kernel_bench  # benchmarks/kernels.py, beside this script
+import pallas_kernels as kernel_bench  # benchmarks/pallas_kernels.py, beside this script
 from diffgemma import cli
 from diffgemma.model import network, quantize
 from diffgemma.runs import provenance

@@ -1,9 +1,11 @@
 """The command-line contract: bad input ends with a one-line error naming the problem, and
 every command answers --help."""
 
+import importlib.metadata
 import os
 import re
 import subprocess
+import sys
 
 from configs import sft_sudoku
 from diffgemma.runs import resume_config
@@ -138,3 +140,16 @@ def test_a_puzzle_line_without_a_unique_solution(tmp_path):
   source.write_text("." * 81 + "\n")
   r = run("scripts/make_sudoku_csv.py", f"--from_lines={source}", f"--out={tmp_path / 'o.csv'}")
   one_line_error(r, "line 1", "no unique solution")
+
+
+def test_no_script_shadows_an_importable_module():
+  """`python benchmarks/X.py` puts benchmarks/ first on sys.path, so a script named like a
+  standard or installed module replaces it for every import made in that process (a
+  benchmarks/kernels.py once stood in for Hugging Face's `kernels`, which transformers probes
+  for)."""
+  installed = set(importlib.metadata.packages_distributions()) | {"kernels"}
+  taken = set(sys.stdlib_module_names) | installed
+  for command in entry_points():
+    if "/" in command:
+      stem = os.path.splitext(os.path.basename(command))[0]
+      assert stem not in taken, f"{command} shadows the importable module {stem!r}; rename it"

@@ -1,7 +1,7 @@
 """Pallas kernels against their XLA references at the 26B-A4B layer shapes, with rooflines.
 
-  python benchmarks/kernels.py                 # accelerator: canvas 256, prefix 4096, bf16
-  python benchmarks/kernels.py --smoke         # CPU: small shapes, Pallas in interpret mode
+  python benchmarks/pallas_kernels.py            # accelerator: canvas 256, prefix 4096, bf16
+  python benchmarks/pallas_kernels.py --smoke    # CPU: small shapes, Pallas in interpret mode
 
 Measures, in one run: the device's peak (a large matmul's FLOP/s and a large copy's bytes/s),
 then for batch 1 and 8
