@@ -384,6 +384,10 @@ def run(main, argv=None, sections: tuple[str, ...] = ()):
     fail(errors.one_line(e), on_every_process=errors.raised_on_every_process(e))
   except errors.RunStopped as e:
     fail(errors.one_line(e), code=3)
+  except MemoryError as e:  # numpy's message names the array's size and shape
+    _quiet_exit()
+    fail(f"out of host memory ({errors.one_line(e)}): lower batch_size, the model's size or "
+         "the data layout")
   except KeyboardInterrupt:
     _quiet_exit()
     fail("interrupted", code=130)

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from configs import sft_sudoku
 from diffgemma.runs import resume_config
 from diffgemma.tasks import sudoku_puzzles
@@ -62,6 +64,31 @@ def test_unknown_config_name(tmp_path):
 def test_inconsistent_config_value(tmp_path):
   r = run("train.py", "--config=sft_sudoku", f"--workdir={tmp_path}", "--config.model.vocab_size=8")  # the digits prompt needs 13 ids
   one_line_error(r, "vocab_size")
+
+
+def test_out_of_range_integers_are_named():
+  """An integer no 32-bit size, step or seed can hold is named by its key, not found deep in
+  numpy or XLA."""
+  from diffgemma import cli
+  from diffgemma.training import run_config
+
+  for override, key in (("batch_size=100000000000000000000000", "batch_size"),
+                        ("model.hidden_size=-2147483649", "model.hidden_size")):
+    config = cli.parse_config("configs/sft_sudoku.py", [f"--config.{override}"])
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)}=.*32-bit"):
+      run_config.build(config)
+  config = cli.parse_config("configs/sft_sudoku.py", ["--config.batch_size=2147483647"])
+  run_config.check_integer_range(config.to_dict())  # the limit itself is allowed
+
+
+def test_host_memory_exhausted_is_one_line():
+  """numpy's MemoryError (a batch or layout too big for the host) ends in one line."""
+  program = ("from diffgemma import cli\n"
+             "def main(argv):\n"
+             "  raise MemoryError('Unable to allocate 373. GiB for an array with shape "
+             "(50000000000,) and data type int64')\n"
+             "cli.run(main, ['tool'])\n")
+  one_line_error(run("-c", program), "out of host memory", "373. GiB", "batch_size")
 
 
 def test_depth_is_one_override():

@@ -22,6 +22,9 @@ from diffgemma.sampling import sampler
 from diffgemma.training import budget, losses, optimizer
 
 NONFINITE_POLICIES = ("stop", "skip")
+# Every integer key (sizes, counts, steps, seeds) ends up in a 32-bit JAX or numpy integer; a
+# larger one fails deep inside numpy or XLA with a traceback instead of naming the key.
+INT_LIMIT = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +158,7 @@ def build(config: ml_collections.ConfigDict, stage: str = "sft",
   sections. `stage` and `stage_settings` come from the stage registry
   (`training.stages.stage_settings`), which sits above this module.
   """
+  check_integer_range(config.to_dict())
   lora_cfg = _lora_config(config)
   return RunConfig(
       train=_train_config(config), model=_model_config(config), loss=_loss_config(config),
@@ -163,6 +167,19 @@ def build(config: ml_collections.ConfigDict, stage: str = "sft",
       lora=lora_cfg, quantize=_quantize_config(config, lora_cfg),
       sharding=_sharding_config(config), eval=_eval_config(config), stage=stage,
       stage_settings=stage_settings, init_from=config.get("init_from") or None)
+
+
+def check_integer_range(tree: dict, prefix: str = "") -> None:
+  """ValueError naming the first integer of the nested dict `tree` (or of a tuple in it)
+  outside +-INT_LIMIT."""
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      check_integer_range(value, f"{prefix}{key}.")
+      continue
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(item, int) and not isinstance(item, bool) and abs(item) > INT_LIMIT:
+        raise ValueError(f"{prefix}{key}={value!r} is outside the 32-bit integer range "
+                         f"(|value| <= {INT_LIMIT}) that sizes, steps and seeds are held in")
 
 
 def _eval_config(config: ml_collections.ConfigDict) -> EvalConfig:
