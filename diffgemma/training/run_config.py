@@ -171,7 +171,7 @@ def build(config: ml_collections.ConfigDict, stage: str = "sft",
 
 def check_integer_range(tree: dict, prefix: str = "") -> None:
   """ValueError naming the first integer of the nested dict `tree` (or of a tuple in it)
-  outside +-INT_LIMIT."""
+  outside +-INT_LIMIT. Walks the tree itself: `runs.resume_config.flatten` sits a layer above."""
   for key, value in tree.items():
     if isinstance(value, dict):
       check_integer_range(value, f"{prefix}{key}.")
