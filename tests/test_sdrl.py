@@ -227,30 +227,38 @@ def test_rl_loss_matches_hand_computation(params):
 # ----------------------------------------------------------------------------- replay
 
 
-def test_replay_reproduces_the_recorded_trajectory(tmp_path):
-  """Replaying the sampler's steps on the recorded canvases, with the sampler's keys, gives the
-  recorded argmax at every step and the recorded next canvas; the prepared training states
-  (canvas + self-conditioning) make the decoder produce the recorded argmax of their step.
-
-  The loop test's model, sampler and rollout shapes (so the compiled programs serve both): three
-  canvases of 27, so later canvases' states sit after committed ones.
-  """
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory):
+  """One recorded rollout of the loop test's model, sampler and shapes (so the compiled
+  programs serve every test): three canvases of 27, so later canvases' states sit after
+  committed ones. A dict: setup, params, prompt, valid, out (the GenerateOutput), gen_rng, and
+  on_mesh (keys replicated over the params' mesh, as the loop's)."""
   sft, config = tiny_configs()
-  save_sft_run(sft, str(tmp_path / "sft"))
+  workdir = str(tmp_path_factory.mktemp("sdrl_rollout") / "sft")
+  save_sft_run(sft, workdir)
   setup = setup_of(config)
-  params = training_state.load_initial_params(setup.model_cfg, str(tmp_path / "sft"),
-                                              setup.train_cfg.seed, setup.mesh,
-                                              setup.rules)  # placed as the loop's
-  model_cfg, scfg = setup.model_cfg, setup.run.stage_settings.rollout_sampler
-  cfg = setup.run.stage_settings.cfg
+  params = training_state.load_initial_params(setup.model_cfg, workdir, setup.train_cfg.seed,
+                                              setup.mesh, setup.rules)  # placed as the loop's
+  scfg, cfg = setup.run.stage_settings.rollout_sampler, setup.run.stage_settings.cfg
   prompts = make_task(config).rollout_prompts(0, cfg.prompts_per_rollout).repeat(cfg.group_size)
-  prompt, valid = prompts.prompt_NxP, prompts.valid_NxP
-  b, p, c = prompt.shape[0], prompt.shape[1], model_cfg.canvas_length
-  # Keys replicated over the params' mesh, as the loop's (the same compiled programs).
   on_mesh = jax.sharding.NamedSharding(params["embedding"].sharding.mesh,
                                        jax.sharding.PartitionSpec())
   gen_rng = jax.device_put(jax.random.PRNGKey(5), on_mesh)
-  out = sampler.make_generate_fn(model_cfg, scfg)(params, prompt, valid, gen_rng)
+  out = sampler.make_generate_fn(setup.model_cfg, scfg)(params, prompts.prompt_NxP,
+                                                         prompts.valid_NxP, gen_rng)
+  return {"setup": setup, "params": params, "prompt": prompts.prompt_NxP,
+          "valid": prompts.valid_NxP, "out": out, "gen_rng": gen_rng, "on_mesh": on_mesh}
+
+
+def test_replay_reproduces_the_recorded_trajectory(rollout):
+  """Replaying the sampler's steps on the recorded canvases, with the sampler's keys, gives the
+  recorded argmax at every step and the recorded next canvas; the prepared training states
+  (canvas + self-conditioning) make the decoder produce the recorded argmax of their step."""
+  setup, params, out = rollout["setup"], rollout["params"], rollout["out"]
+  model_cfg, scfg = setup.model_cfg, setup.run.stage_settings.rollout_sampler
+  cfg = setup.run.stage_settings.cfg
+  prompt, valid, gen_rng, on_mesh = (rollout[k] for k in ("prompt", "valid", "gen_rng", "on_mesh"))
+  b, p, c = prompt.shape[0], prompt.shape[1], model_cfg.canvas_length
   traj = out.trajectory
   steps = np.asarray(traj["valid"]).sum(1)  # [K, B]
   assert steps.shape == (3, b) and steps[0].min() >= 1 and len(np.unique(steps)) > 1
@@ -291,6 +299,101 @@ def test_replay_reproduces_the_recorded_trajectory(tmp_path):
   # Targets: the last argmax of the canvas's trajectory.
   last = np.asarray(traj["argmax"])[k_U, np.maximum(steps[k_U, row_U] - 1, 0), row_U]
   np.testing.assert_array_equal(flat(batch["target_BxSxC"])[ok], last[ok])
+
+
+def brute_force_weights(rewards_B, cfg: sdrl.SdrlConfig):
+  """advantages() one row at a time in float64: group statistics by explicit loops."""
+  g = cfg.group_size
+  out = []
+  for row, r in enumerate(np.asarray(rewards_B, np.float64)):
+    group = [float(x) for x in rewards_B[row - row % g: row - row % g + g]]
+    mean = sum(group) / g
+    std = (sum((x - mean) ** 2 for x in group) / g) ** 0.5
+    a = {"group_std": (r - mean) / (std + cfg.advantage_eps), "group_mean": r - mean,
+         "none": r}[cfg.advantage_norm]
+    if cfg.advantage_clip:
+      a = min(max(a, -cfg.advantage_clip), cfg.advantage_clip)
+    if a < 0:
+      a *= cfg.negative_advantage_weight
+    out.append(1.0 if cfg.mode == "distill" else a + cfg.reward_weight * r)
+  return np.array(out)
+
+
+def brute_force_states(traj, cfg: sdrl.SdrlConfig, num: int, p: int, c: int):
+  """prepare_states' deterministic selections one (row, canvas, state) at a time: the step of
+  each state (-1: none), its input canvas, its target (the canvas's last argmax) and prefix."""
+  argmax, canvas, ran = (np.asarray(traj[k]) for k in ("argmax", "canvas", "valid"))
+  k_max, _, b = ran.shape
+  step, target, state_canvas, prefix = {}, {}, {}, {}
+  for row in range(b):
+    for k in range(k_max):
+      n = int(sum(bool(v) for v in ran[k, :, row]))
+      for m in range(num):
+        pick = {"first_k": m if m < n else -1, "all": m if m < n else -1,
+                "last_k": max(n - 1 - m, -1)}[cfg.state_selection]
+        s = k * num + m
+        step[row, s] = pick
+        target[row, s] = argmax[k, max(n - 1, 0), row]
+        state_canvas[row, s] = canvas[k, max(pick, 0), row]
+        prefix[row, s] = p + k * c
+  return step, target, state_canvas, prefix
+
+
+@pytest.mark.parametrize("selection, norm, neg_weight, clip, reward_weight, accum", [
+    ("first_k", "group_std", 0.25, 0.0, 1.0, 1), ("last_k", "group_mean", 1.0, 0.3, 0.0, 2),
+    ("all", "none", 0.0, 0.0, 0.5, 1)])
+def test_prepared_weights_and_targets_equal_a_brute_force(rollout, selection, norm, neg_weight,
+                                                          clip, reward_weight, accum):
+  """From a fixed rollout and fixed rewards, the states, targets, weights and normaliser that
+  sdrl_loss trains on equal a loop-by-loop float64 computation, and so does the loss:
+  sum over valid states of weight x mean CE toward the final canvas, over the valid count."""
+  setup, params, out = rollout["setup"], rollout["params"], rollout["out"]
+  model_cfg, scfg = setup.model_cfg, setup.run.stage_settings.rollout_sampler
+  base = setup.run.stage_settings.cfg
+  cfg = sdrl.SdrlConfig(group_size=base.group_size, prompts_per_rollout=base.prompts_per_rollout,
+                        states_per_trajectory=2, state_selection=selection, advantage_norm=norm,
+                        negative_advantage_weight=neg_weight, advantage_clip=clip,
+                        reward_weight=reward_weight)
+  prompt, valid = rollout["prompt"], rollout["valid"]
+  b, p, c = prompt.shape[0], prompt.shape[1], model_cfg.canvas_length
+  rewards_B = np.array([0.75, 0.0, 1.0, 1.0])[:b]  # a group with a spread, one without
+  weight_B = sdrl.advantages(rewards_B, cfg)
+  expected_weight = brute_force_weights(rewards_B, cfg)
+  np.testing.assert_allclose(np.asarray(weight_B, np.float64), expected_weight, rtol=1e-6,
+                             atol=1e-6)
+  batch, _ = sdrl.prepare_states(params, model_cfg, scfg, cfg, accum, prompt, valid, out,
+                                 weight_B, jax.device_put(jax.random.PRNGKey(0),
+                                                          rollout["on_mesh"]))
+  num = sdrl.num_states(cfg, scfg)
+  step, target, canvas, prefix = brute_force_states(out.trajectory, cfg, num, p, c)
+  got = {k: np.asarray(v) for k, v in batch.items()}
+  assert got["valid_BxS"].shape == (b, 3 * num)
+  count = 0
+  for (row, s), pick in step.items():
+    assert got["step_BxS"][row, s] == pick and got["valid_BxS"][row, s] == (pick >= 0)
+    assert got["prefix_len_BxS"][row, s] == prefix[row, s]
+    np.testing.assert_array_equal(got["target_BxSxC"][row, s], target[row, s])
+    if pick >= 0:
+      np.testing.assert_array_equal(got["canvas_BxSxC"][row, s], canvas[row, s])
+      count += 1
+  np.testing.assert_allclose(got["weight_B"], expected_weight, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(got["norm_B"], np.full(b, count / accum, np.float32))
+  # The loss on that batch, state by state in float64 (each state decoded after its own cache).
+  _, metrics = loss_fn(params, model_cfg, cfg, losses.LossConfig(), batch, jax.random.PRNGKey(0))
+  cache = jax.jit(sdrl.encode_context, static_argnums=1)(
+      params, model_cfg, prompt, valid, sdrl.context_tokens(out.tokens, model_cfg))
+  total = 0.0
+  for (row, s), pick in step.items():
+    if pick < 0:
+      continue
+    logits = jax.jit(network.decode, static_argnums=1)(
+        params, model_cfg, jnp.asarray(canvas[row, s])[None],
+        losses.take_cache_rows(cache, jnp.asarray([row])), jnp.asarray([prefix[row, s]]), None,
+        None, got["self_cond_BxSxCxD"][row, s][None])
+    logp = log_softmax64(logits)[0]
+    ce = -np.mean([logp[i, target[row, s][i]] for i in range(c)])
+    total += expected_weight[row] * ce
+  np.testing.assert_allclose(float(metrics["policy_loss"]), total / (count / accum), rtol=1e-5)
 
 
 def test_fused_step_self_conditioning_is_its_carried_embedding(params):
