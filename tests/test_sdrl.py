@@ -319,34 +319,47 @@ def brute_force_weights(rewards_B, cfg: sdrl.SdrlConfig):
   return np.array(out)
 
 
-def brute_force_states(traj, cfg: sdrl.SdrlConfig, num: int, p: int, c: int):
+def brute_force_states(traj, cfg: sdrl.SdrlConfig, num: int, p: int, c: int, tokens=None,
+                       reference=None, use_reference=None):
   """prepare_states' deterministic selections one (row, canvas, state) at a time: the step of
-  each state (-1: none), its input canvas, its target (the canvas's last argmax) and prefix."""
+  each state (-1: none), its input canvas, its target (the canvas's last argmax; a row that
+  uses the reference: the reference's canvas, with no state after a committed canvas that
+  differs from the reference's) and prefix."""
   argmax, canvas, ran = (np.asarray(traj[k]) for k in ("argmax", "canvas", "valid"))
   k_max, _, b = ran.shape
   step, target, state_canvas, prefix = {}, {}, {}, {}
   for row in range(b):
     for k in range(k_max):
       n = int(sum(bool(v) for v in ran[k, :, row]))
+      by_reference = use_reference is not None and use_reference[row]
+      if by_reference and any(list(tokens[row, j * c:(j + 1) * c])
+                              != list(reference[row, j * c:(j + 1) * c]) for j in range(k)):
+        n = 0  # a wrong context: the reference is not its continuation
       for m in range(num):
         pick = {"first_k": m if m < n else -1, "all": m if m < n else -1,
                 "last_k": max(n - 1 - m, -1)}[cfg.state_selection]
         s = k * num + m
         step[row, s] = pick
-        target[row, s] = argmax[k, max(n - 1, 0), row]
+        target[row, s] = (reference[row, k * c:(k + 1) * c] if by_reference
+                          else argmax[k, max(n - 1, 0), row])
         state_canvas[row, s] = canvas[k, max(pick, 0), row]
         prefix[row, s] = p + k * c
   return step, target, state_canvas, prefix
 
 
-@pytest.mark.parametrize("selection, norm, neg_weight, clip, reward_weight, accum", [
-    ("first_k", "group_std", 0.25, 0.0, 1.0, 1), ("last_k", "group_mean", 1.0, 0.3, 0.0, 2),
-    ("all", "none", 0.0, 0.0, 0.5, 1)])
+@pytest.mark.parametrize("selection, norm, neg_weight, clip, reward_weight, accum, target", [
+    ("first_k", "group_std", 0.25, 0.0, 1.0, 1, "final"),
+    ("last_k", "group_mean", 1.0, 0.3, 0.0, 2, "final"),
+    ("all", "none", 0.0, 0.0, 0.5, 1, "final"),
+    ("first_k", "none", 1.0, 0.0, 0.0, 1, "verified")])
 def test_prepared_weights_and_targets_equal_a_brute_force(rollout, selection, norm, neg_weight,
-                                                          clip, reward_weight, accum):
+                                                          clip, reward_weight, accum, target):
   """From a fixed rollout and fixed rewards, the states, targets, weights and normaliser that
   sdrl_loss trains on equal a loop-by-loop float64 computation, and so does the loss:
-  sum over valid states of weight x mean CE toward the final canvas, over the valid count."""
+  sum over valid states of weight x mean CE toward the final canvas, over the valid count.
+  "verified": rows 1 and 3 are wrong; row 1's reference differs from its committed tokens in
+  the second canvas only, row 3's in the first: row 1 keeps states on canvases 0 and 1 (those
+  it ran), row 3 on canvas 0 only."""
   setup, params, out = rollout["setup"], rollout["params"], rollout["out"]
   model_cfg, scfg = setup.model_cfg, setup.run.stage_settings.rollout_sampler
   base = setup.run.stage_settings.cfg
@@ -361,18 +374,32 @@ def test_prepared_weights_and_targets_equal_a_brute_force(rollout, selection, no
   expected_weight = brute_force_weights(rewards_B, cfg)
   np.testing.assert_allclose(np.asarray(weight_B, np.float64), expected_weight, rtol=1e-6,
                              atol=1e-6)
+  tokens = np.asarray(out.tokens)
+  reference = use_reference = None
+  if target == "verified":
+    reference = tokens.copy()
+    reference[1, c + 3] = (reference[1, c + 3] + 1) % model_cfg.vocab_size
+    reference[3, 5] = (reference[3, 5] + 1) % model_cfg.vocab_size
+    use_reference = np.array([False, True, False, True])
   batch, _ = sdrl.prepare_states(params, model_cfg, scfg, cfg, accum, prompt, valid, out,
                                  weight_B, jax.device_put(jax.random.PRNGKey(0),
-                                                          rollout["on_mesh"]))
+                                                          rollout["on_mesh"]), None,
+                                 reference, use_reference)
   num = sdrl.num_states(cfg, scfg)
-  step, target, canvas, prefix = brute_force_states(out.trajectory, cfg, num, p, c)
+  step, targets, canvas, prefix = brute_force_states(out.trajectory, cfg, num, p, c, tokens,
+                                                    reference, use_reference)
+  if target == "verified":
+    ran_KxB = np.asarray(out.trajectory["valid"]).sum(1) > 0
+    kept = lambda row: sorted({s // num for (r, s), pick in step.items() if r == row and pick >= 0})
+    assert kept(1) == [k for k in (0, 1) if ran_KxB[k, 1]] and kept(3) == [0]
+    assert kept(0) == [k for k in range(3) if ran_KxB[k, 0]]
   got = {k: np.asarray(v) for k, v in batch.items()}
   assert got["valid_BxS"].shape == (b, 3 * num)
   count = 0
   for (row, s), pick in step.items():
     assert got["step_BxS"][row, s] == pick and got["valid_BxS"][row, s] == (pick >= 0)
     assert got["prefix_len_BxS"][row, s] == prefix[row, s]
-    np.testing.assert_array_equal(got["target_BxSxC"][row, s], target[row, s])
+    np.testing.assert_array_equal(got["target_BxSxC"][row, s], targets[row, s])
     if pick >= 0:
       np.testing.assert_array_equal(got["canvas_BxSxC"][row, s], canvas[row, s])
       count += 1
@@ -391,7 +418,7 @@ def test_prepared_weights_and_targets_equal_a_brute_force(rollout, selection, no
         losses.take_cache_rows(cache, jnp.asarray([row])), jnp.asarray([prefix[row, s]]), None,
         None, got["self_cond_BxSxCxD"][row, s][None])
     logp = log_softmax64(logits)[0]
-    ce = -np.mean([logp[i, target[row, s][i]] for i in range(c)])
+    ce = -np.mean([logp[i, targets[row, s][i]] for i in range(c)])
     total += expected_weight[row] * ce
   np.testing.assert_allclose(float(metrics["policy_loss"]), total / (count / accum), rtol=1e-5)
 
@@ -690,3 +717,7 @@ def test_rollout_metrics_count_the_groups_with_a_spread():
   assert metrics["rollout/correct_groups_with_spread"] == pytest.approx(1 / 3)
   assert metrics["rollout/group_reward_std"] == pytest.approx(
       np.mean([np.std([1, .5, .5]), np.std([.2, 0, 0]), 0.0]))
+  weight = np.array([2, -1, -1, 1, 0, 0, 0, 0, -0.5])  # |w| 5.5; rows 1..8 are wrong
+  shares = sdrl._rollout_metrics(stats, rewarded, weight, cfg)
+  assert shares["rollout/wrong_weight_share"] == pytest.approx(3.5 / 5.5)
+  assert shares["rollout/negative_weight_share"] == pytest.approx(2.5 / 5.5)

@@ -244,3 +244,11 @@ class RlTask(Task):
     """Optional per-token weights [B, L] of the SD·RL distillation target (None: all 1)."""
     del prompts, tokens_BxL
     return None
+
+  def reference_reply(self, prompts: Prompts) -> np.ndarray | None:
+    """Optional: each row's reference reply as the sampler would write it, int32 [B, L] over
+    the layout's K*C reply slots (what SFT trains the canvases toward: the reply, then the
+    task's end fill). SD·RL's `sdrl.target="verified"` trains wrong rows toward it; None: the
+    task has no reference (a reward-only verifier)."""
+    del prompts
+    return None

@@ -439,9 +439,11 @@ class ChatTask(RlTask):
   def _example_prompts(self, examples: Sequence[Example]) -> Prompts:
     pads = [chat_data.left_pad(e.prompt_ids, self._layout.prompt_len, self.tokenizer.pad_id)
             for e in examples]
+    p = self._layout.prompt_len
     return Prompts(np.stack([t for t, _ in pads]), np.stack([v for _, v in pads]),
                    [e.reference for e in examples],
-                   [{"source": e.source, "prompt": e.prompt_text} for e in examples])
+                   [{"source": e.source, "prompt": e.prompt_text,
+                     "reply_slots": self.layout_example(e)["tokens"][p:]} for e in examples])
 
   # ---------------------------------------------------------------- training data
 
@@ -600,6 +602,7 @@ class ChatTask(RlTask):
     records, correct, answered, stopped, infill_correct, overran = [], [], [], [], [], []
     for i, row in enumerate(np.asarray(tokens_NxL)):
       record = dict(prompts.records[i]) if prompts.records else {}
+      record.pop("reply_slots", None)  # a rollout example's layout, not a prediction's field
       if prompts.fixed_NxL is None:
         reply = self.reply_text(row)
         stopped.append(self._stopped(row))
@@ -683,6 +686,14 @@ class ChatTask(RlTask):
     examples = [self._train[f][i] for f, i in (order[r] for r in range(start,
                                                                         start + num_prompts))]
     return self._example_prompts(examples)
+
+  def reference_reply(self, prompts: Prompts) -> np.ndarray | None:
+    """The rollout examples' replies as training lays them out (reply, end-of-turn, EOS fill
+    to the canvas's end, pad); None for prompts that are not rollout examples."""
+    records = prompts.records or []
+    if len(records) != len(prompts) or not all(r and "reply_slots" in r for r in records):
+      return None
+    return np.stack([r["reply_slots"] for r in records]).astype(np.int32)
 
   def reward(self, prompts: Prompts, tokens_BxL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """rl.reward's verdict (1 or 0) or graded score (text_metrics.GRADED), or

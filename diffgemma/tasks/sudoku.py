@@ -61,13 +61,22 @@ def response_len(canvas_len: int) -> int:
   return -(-(CANVAS_LEN + 1) // canvas_len) * canvas_len
 
 
+def response_tokens(solutions_Nx81, canvas_len: int = CANVAS_LEN) -> np.ndarray:
+  """The response slots [N, response_len(canvas_len)] of solutions: digits, then EOS and PAD
+  up to a whole number of canvases where the canvas does not tile the 81 cells."""
+  answer = solution_tokens(np.asarray(solutions_Nx81).reshape(-1, sudoku_puzzles.NUM_CELLS))
+  fill = response_len(canvas_len) - CANVAS_LEN
+  if fill:
+    end = np.full((len(answer), fill), PAD, answer.dtype)
+    end[:, 0] = EOS
+    answer = np.concatenate([answer, end], axis=1)
+  return answer
+
+
 def sudoku_example(record: dict, prompt_format: str, canvas_len: int = CANVAS_LEN) -> dict:
   """One training sequence from {"puzzle", "solution"}: tokens, valid and loss mask
   [81 + response_len(canvas_len)]; the loss covers the whole response (digits, EOS, PAD)."""
-  answer = solution_tokens(record["solution"])
-  fill = response_len(canvas_len) - CANVAS_LEN
-  if fill:
-    answer = np.concatenate([answer, [EOS], np.full(fill - 1, PAD)])
+  answer = response_tokens(record["solution"], canvas_len)[0]
   tokens = np.concatenate([puzzle_tokens(record["puzzle"], prompt_format), answer])
   loss_mask = np.arange(len(tokens)) >= PROMPT_LEN
   return {"tokens": tokens.astype(np.int32), "valid": np.ones_like(loss_mask),
@@ -431,6 +440,11 @@ class SudokuTask(RlTask):
     else:
       partial = np.zeros(len(grids))
     return np.where(solved, 1.0, self.reward_cfg.partial_weight * partial), solved
+
+  def reference_reply(self, prompts):
+    """The solutions laid out as training lays out a response."""
+    return response_tokens(_puzzles_and_solutions(prompts)[1],
+                           self._layout.canvas_length).astype(np.int32)
 
   def token_weights(self, prompts, tokens_BxL):
     """The cells of the final grid the verifier finds consistent (an unsolved grid's

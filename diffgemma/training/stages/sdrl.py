@@ -50,6 +50,7 @@ STATE_SELECTIONS = ("uniform", "first_k", "last_k", "all")
 ADVANTAGE_NORMS = ("group_std", "group_mean", "none")
 ANCHORS = ("none", "kl", "sft")
 CELL_WEIGHTINGS = ("none", "consistent")
+TARGETS = ("final", "verified")
 # Independent random streams of one step, folded into the run's key.
 _ROLLOUT_STREAM, _STATES_STREAM, _UPDATE_STREAM = range(3)
 
@@ -73,6 +74,12 @@ class SdrlConfig:
     trajectories toward fewer steps; 0 = the advantage alone.
   cell_weighting: "none" (every target token counts) or "consistent" (only the tokens the
     task's verifier finds consistent, `RlTask.token_weights`: e.g. Sudoku's consistent cells).
+  target: what each state is trained toward. "final": its trajectory's final canvas (right or
+    wrong; the weights decide). "verified": the final canvas of a trajectory the verifier calls
+    correct, else the task's reference reply (`RlTask.reference_reply`), so every state learns
+    to reach a right canvas from where the sampler actually was; a wrong row's canvas counts
+    only while the canvases committed before it equal the reference's (the reference is the
+    right continuation of a right context only).
   anchor: "none"; "kl" KL(reference || model) of the decoder on the trained states, the
     reference being the initial parameters; "sft" the SFT loss on the task's training data
     (`anchor_batch_size` examples per update). Weighted by anchor_weight.
@@ -90,6 +97,7 @@ class SdrlConfig:
   advantage_clip: float = 0.0
   reward_weight: float = 0.0
   cell_weighting: str = "none"
+  target: str = "final"
   anchor: str = "none"
   anchor_weight: float = 0.0
   anchor_batch_size: int = 16
@@ -99,6 +107,7 @@ class SdrlConfig:
                                  ("state_selection", self.state_selection, STATE_SELECTIONS),
                                  ("advantage_norm", self.advantage_norm, ADVANTAGE_NORMS),
                                  ("cell_weighting", self.cell_weighting, CELL_WEIGHTINGS),
+                                 ("target", self.target, TARGETS),
                                  ("anchor", self.anchor, ANCHORS)):
       if value not in choices:
         raise ValueError(f"unknown sdrl.{name} {value!r}; choose one of {choices}")
@@ -284,7 +293,8 @@ def _row_major(x_KxMxB):
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfig,
                    cfg: SdrlConfig, accum: int, prompt_BxP, prompt_valid_BxP,
-                   rollout: sampler.GenerateOutput, weight_B, rng, token_weight_BxL=None):
+                   rollout: sampler.GenerateOutput, weight_B, rng, token_weight_BxL=None,
+                   reference_BxL=None, use_reference_B=None):
   """The training batch of one rollout, row-major, and its replay statistics (jitted; configs
   and the number of micro-batches `accum` static).
 
@@ -294,7 +304,10 @@ def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerC
   to the whole batch's mean), and per state s = k * M + m of row b: prefix_len_BxS, target_BxSxC
   (canvas k's final argmax), valid_BxS (the state exists), step_BxS (its step, -1 for "rl");
   trajectory modes also canvas_BxSxC and self_cond_BxSxCxD (its decoder input); with
-  `token_weight_BxL` (a weight per generated token), token_weight_BxSxC. stats: scalars
+  `token_weight_BxL` (a weight per generated token), token_weight_BxSxC. `reference_BxL`
+  (int32, the reference replies over the K*C slots) with `use_reference_B` (bool): those rows'
+  targets are the reference's canvases, and their canvas k has states only where the committed
+  canvases before it equal the reference's (`SdrlConfig.target`). stats: scalars
   replay_agreement (share of replayed steps whose argmax canvas equals the recorded one) and
   state_position (mean step / steps of the canvas, of valid states).
   """
@@ -305,6 +318,17 @@ def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerC
   num_steps_KxB = jnp.sum(traj["valid"], axis=1).astype(jnp.int32)
   last_KxBx1 = jnp.maximum(num_steps_KxB - 1, 0)[:, :, None]
   final_KxBxC = jnp.take_along_axis(traj["argmax"], last_KxBx1[:, None], axis=1)[:, 0]
+  has_states_KxB = num_steps_KxB > 0
+  if reference_BxL is not None:
+    reference_KxBxC = jnp.asarray(reference_BxL, jnp.int32).reshape(b, k_max, c).transpose(1, 0, 2)
+    committed_KxBxC = rollout.tokens.reshape(b, k_max, c).transpose(1, 0, 2)
+    same_KxB = jnp.all(committed_KxBxC == reference_KxBxC, axis=-1)
+    # Canvas k's context is right when every canvas before it is: an exclusive running AND.
+    right_context_KxB = jnp.cumprod(jnp.concatenate(
+        [jnp.ones((1, b), jnp.int32), same_KxB[:-1].astype(jnp.int32)]), axis=0) > 0
+    use_1xB = jnp.asarray(use_reference_B, bool)[None]
+    final_KxBxC = jnp.where(use_1xB[:, :, None], reference_KxBxC, final_KxBxC)
+    has_states_KxB &= ~use_1xB | right_context_KxB
   per_state = lambda x_KxBx: jnp.broadcast_to(x_KxBx[:, None], (k_max, num) + x_KxBx.shape[1:])
   prefix_KxB = jnp.broadcast_to((p + c * jnp.arange(k_max, dtype=jnp.int32))[:, None], (k_max, b))
   batch = {"prompt_BxP": prompt_BxP, "prompt_valid_BxP": prompt_valid_BxP,
@@ -316,7 +340,7 @@ def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerC
     weight_KxBxC = jnp.asarray(token_weight_BxL, jnp.float32).reshape(b, k_max, c).transpose(1, 0, 2)
     batch["token_weight_BxSxC"] = _row_major(per_state(weight_KxBxC))
   if cfg.mode == "rl":
-    valid_KxMxB = per_state(num_steps_KxB > 0)
+    valid_KxMxB = per_state(has_states_KxB)
     stats = {"replay_agreement": jnp.ones(()), "state_position": jnp.zeros(())}
     step_KxMxB = jnp.full(valid_KxMxB.shape, -1, jnp.int32)
   else:
@@ -333,7 +357,7 @@ def prepare_states(params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerC
       index_MxBx1 = jnp.maximum(pick_KxMxB[k], 0)[:, :, None]
       canvases.append(jnp.take_along_axis(traj["canvas"][k], index_MxBx1, axis=0))
       self_conds.append(out["self_cond"])
-    valid_KxMxB = pick_KxMxB >= 0
+    valid_KxMxB = (pick_KxMxB >= 0) & has_states_KxB[:, None]
     step_KxMxB = pick_KxMxB
     position_KxMxB = pick_KxMxB / jnp.maximum(num_steps_KxB[:, None], 1)
     batch.update(canvas_BxSxC=_row_major(jnp.stack(canvases)),
@@ -435,9 +459,14 @@ def stream_key(state_rng, stream: int, step):
 def _rollout_metrics(stats: dict, rewarded: dict, weight_B, cfg: SdrlConfig) -> dict:
   """A rollout's scalars. groups_with_spread: the share of prompts whose G rewards are not all
   equal (a group without one has zero advantage everywhere); correct_groups_with_spread: the
-  same for the 0/1 `correct` flags, i.e. what an exact-match reward would have given."""
+  same for the 0/1 `correct` flags, i.e. what an exact-match reward would have given.
+  wrong_weight_share: the share of the rows' total |weight| on rows the verifier calls wrong
+  (with target="final" their states are trained toward a wrong canvas, pushed up or down);
+  negative_weight_share: the share on negative weights."""
   reward_PxG = rewarded["reward"].reshape(-1, cfg.group_size)
   correct_PxG = np.asarray(rewarded["correct"]).reshape(-1, cfg.group_size)
+  magnitude_B = np.abs(np.asarray(weight_B, np.float64))
+  total = max(float(magnitude_B.sum()), 1e-12)
   return {
       "rollout/reward_mean": float(np.mean(rewarded["reward"])),
       "rollout/reward_std": float(np.std(rewarded["reward"])),
@@ -449,6 +478,8 @@ def _rollout_metrics(stats: dict, rewarded: dict, weight_B, cfg: SdrlConfig) -> 
       "rollout/tokens_per_forward": float(np.mean(stats["tokens_per_forward"])),
       "rollout/steps_per_canvas": float(np.mean(stats["steps_per_canvas"])),
       "rollout/weight_mean": float(np.mean(weight_B)),
+      "rollout/wrong_weight_share": float(magnitude_B[~correct_PxG.reshape(-1)].sum() / total),
+      "rollout/negative_weight_share": float(magnitude_B[np.asarray(weight_B) < 0].sum() / total),
   }
 
 
@@ -474,6 +505,17 @@ class SdrlStage:
         task.rollout_prompts(0, 1), np.zeros((1, task.layout.response_len), np.int32)) is None:
       raise ValueError(f"sdrl.cell_weighting={self.cfg.cell_weighting!r}: the "
                        f"{task.name} task gives no token weights")
+    if self.cfg.target == "verified":
+      reference = task.reference_reply(task.rollout_prompts(0, 1))
+      slots = (sampler.num_canvases(setup.model_cfg, self.rollout_cfg)
+               * setup.model_cfg.canvas_length)
+      if reference is None:
+        raise ValueError(f"sdrl.target='verified': the {task.name} task gives no reference "
+                         "replies; use sdrl.target='final'")
+      if reference.shape[1] != slots:
+        raise ValueError(f"sdrl.target='verified': the reference replies fill "
+                         f"{reference.shape[1]} slots but the rollout sampler writes {slots} "
+                         "(sdrl.rollout_sampler.max_new_tokens); keep the task's reply budget")
     self.generate_fn = sampler.make_generate_fn(setup.model_cfg, self.rollout_cfg)
     self._reference = None
     if self.cfg.anchor == "kl" and not setup.uses_lora:
@@ -534,10 +576,14 @@ class SdrlStage:
     weight_B = advantages(rewarded["reward"], self.cfg)
     token_weight_BxL = (self.task.token_weights(prompts, tokens_BxL)
                         if self.cfg.cell_weighting != "none" else None)
+    reference_BxL = use_reference_B = None
+    if self.cfg.target == "verified":
+      reference_BxL, use_reference_B = self.task.reference_reply(prompts), ~rewarded["correct"]
     batch, replay_stats = prepare_states(
         params, self.setup.model_cfg, self.rollout_cfg, self.cfg, self.setup.grad_accum_steps,
         prompts.prompt_NxP, prompts.valid_NxP, out, weight_B,
-        stream_key(state["rng"], _STATES_STREAM, step), token_weight_BxL)
+        stream_key(state["rng"], _STATES_STREAM, step), token_weight_BxL, reference_BxL,
+        use_reference_B)
     replay_stats = distributed.fetch(replay_stats)
     t_states = time.perf_counter()
     metrics = _rollout_metrics(stats, rewarded, np.asarray(weight_B), self.cfg)
