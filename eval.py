@@ -72,9 +72,10 @@ _OUT = flags.DEFINE_string("out", None, "With --scan: directory for scan.md, sca
                            "scan.json.")
 _TRAJECTORY = flags.DEFINE_bool(
     "trajectory_stats", False, "Record the sampler's trajectories; add settle_steps_per_canvas "
-    "(the mean step from which the argmax canvas stopped changing) and the task's step_profile "
-    "(Sudoku, per step: blank cells accepted / correct, entropy on blanks and givens), printed "
-    "as a table.")
+    "(the mean step from which the argmax canvas stopped changing), sampler_profile (any task, "
+    "per step: canvases that ran it, positions accepted, of them already final, mean entropy) "
+    "and the task's step_profile (Sudoku, per step: blank cells accepted / correct, entropy on "
+    "blanks and givens), each printed as a table.")
 
 
 def eval_overrides() -> dict:
@@ -173,6 +174,8 @@ def main(argv):
   if path and distributed.primary():
     write_jsonl(path, predictions)
     metrics["predictions"] = os.path.abspath(path)
+  if "sampler_profile" in metrics:
+    print(evaluation.format_sampler_profile(metrics["sampler_profile"]))
   if "step_profile" in metrics:
     print(run.task.format_profile(metrics["step_profile"]))
   print(json.dumps(metrics))
@@ -199,6 +202,7 @@ def run_scan(run, prompts, batch: int, points, sampler_overrides: dict, device: 
       metrics, _ = evaluation.evaluate(run.task, run.params, run.model_cfg, sampler_cfg, prompts,
                                        batch, seed=_SEED.value, progress=bar, warmup=True)
     metrics.pop("step_profile", None)
+    metrics.pop("sampler_profile", None)
     results.append(compare.SweepPoint(key, value, metrics))
   metric = run.task.headline_metric_for(prompts)
   table = compare.markdown(*compare.sweep_table(results, metric))

@@ -190,6 +190,38 @@ def test_generate_in_batches_settle_steps_and_trajectory_callback_see_real_rows_
       np.testing.assert_array_equal(np.asarray(traj["valid"])[:, :, j], valid)
 
 
+def test_sampler_step_profile_equals_a_loop_over_canvases():
+  """evaluation.sampler_step_sums on a random trajectory (rows that stop at different steps)
+  against a loop over canvases, steps and positions; the published profile divides by the
+  canvases that ran each step."""
+  rng = np.random.default_rng(0)
+  k, n, b, c = 2, 4, 3, 5
+  steps_KxB = np.array([[4, 1, 2], [3, 0, 4]])
+  valid = np.arange(n)[None, :, None] < steps_KxB[:, None, :]
+  traj = {"argmax": rng.integers(0, 3, (k, n, b, c)), "accepted": rng.random((k, n, b, c)) < 0.5,
+          "entropy": rng.random((k, n, b, c)).astype(np.float32), "valid": valid}
+  got = evaluation.sampler_step_sums(traj)
+  for step in range(n):
+    want = dict.fromkeys(evaluation.SAMPLER_PROFILE_KEYS, 0.0)
+    for kk in range(k):
+      for row in range(b):
+        if not valid[kk, step, row]:
+          continue
+        final = traj["argmax"][kk, steps_KxB[kk, row] - 1, row]
+        want["canvases"] += 1
+        want["entropy"] += float(np.mean(traj["entropy"][kk, step, row], dtype=np.float64))
+        for pos in range(c):
+          if traj["accepted"][kk, step, row, pos]:
+            want["accepted"] += 1
+            want["accepted_final"] += int(traj["argmax"][kk, step, row, pos] == final[pos])
+    for key, value in want.items():
+      assert got[key][step] == pytest.approx(value, rel=1e-6), (key, step)
+  means = evaluation._per_step_means(got, "canvases")
+  assert means["canvases"] == [5, 4, 3, 2]
+  assert means["accepted"][3] == pytest.approx(got["accepted"][3] / 2)
+  assert "step" in evaluation.format_sampler_profile(means).splitlines()[0]
+
+
 def test_sampler_metrics_equal_brute_force_means():
   ids = [1, 2, 3, 4, 5]
   stats = {key: np.array([row_stats(i)[key] for i in ids]) for key in row_stats(0)}
@@ -403,6 +435,7 @@ def test_evaluate_merges_task_and_sampler_metrics_over_padded_batches():
   want.update(cold_seconds=1.0, warm_calls=2, latency_batch_size=3, warm_seconds=7.0,
               seconds_per_canvas=14.0 / 5, tokens_per_second_warm=warm_tokens / 14.0)
   profile = metrics.pop("step_profile")
+  sampler_profile = metrics.pop("sampler_profile")
   assert sorted(metrics) == sorted(want)
   for key, value in want.items():
     assert metrics[key] == pytest.approx(value, rel=RTOL), (key, metrics[key], value)
@@ -423,6 +456,13 @@ def test_evaluate_merges_task_and_sampler_metrics_over_padded_batches():
     for key, values in (("blank_accepted", acc), ("blank_correct", corr),
                         ("blank_entropy", blank_h), ("given_entropy", given_h)):
       assert profile[key][j] == pytest.approx(sum(values) / len(rows), rel=1e-9), (key, s)
+    # The task-agnostic profile: one canvas per row, every cell; its argmax never changes, so
+    # every accepted cell is already final.
+    kept = [sum(1 for c in range(81) if c % (i + 1) == 0) for i in rows]
+    assert sampler_profile["canvases"][j] == len(rows)
+    for key, values in (("accepted", kept), ("accepted_final", kept),
+                        ("entropy", [0.01 * i for i in rows])):
+      assert sampler_profile[key][j] == pytest.approx(sum(values) / len(rows), rel=1e-6), key
 
 
 # ----------------------------------------------------------------------------- chat scoring

@@ -29,6 +29,44 @@ def row_stats(out: sampler.GenerateOutput) -> dict:
   return {key: getattr(out, key) for key in ROW_STATS if getattr(out, key) is not None}
 
 
+SAMPLER_PROFILE_KEYS = ("canvases", "accepted", "entropy", "accepted_final")
+
+
+def sampler_step_sums(trajectory) -> dict[str, np.ndarray]:
+  """Per denoising step n, sums over the canvases (every canvas k of every row b) that ran it,
+  of a recorded trajectory ({argmax, accepted, entropy: [K, N, B, C], valid [K, N, B]}):
+  canvases (how many ran step n), accepted (positions whose draw was kept), entropy (the mean
+  tempered entropy over the canvas's positions) and accepted_final (kept positions whose
+  argmax already equals the canvas's final argmax, its last step's). Each [N], float64."""
+  argmax, accepted, entropy, valid = (np.asarray(trajectory[k]) for k in
+                                      ("argmax", "accepted", "entropy", "valid"))
+  last_KxB = np.maximum(valid.sum(1) - 1, 0)
+  final_KxBxC = np.take_along_axis(argmax, last_KxB[:, None, :, None], axis=1)[:, 0]
+  ran_KxNxB = valid.astype(np.float64)
+  kept_KxNxBxC = accepted & valid[..., None]
+  return {"canvases": ran_KxNxB.sum((0, 2)),
+          "accepted": kept_KxNxBxC.sum((0, 2, 3)).astype(np.float64),
+          "entropy": (entropy.mean(-1) * ran_KxNxB).sum((0, 2)),
+          "accepted_final": (kept_KxNxBxC & (argmax == final_KxBxC[:, None])).sum(
+              (0, 2, 3)).astype(np.float64)}
+
+
+def format_sampler_profile(profile: dict) -> str:
+  """A sampler profile (per-canvas means per step) as a table, one line per denoising step."""
+  lines = ["step  canvases | accepted  of them final  mean entropy"]
+  for n, (canvases, accepted, entropy, final) in enumerate(
+      zip(*(profile[key] for key in SAMPLER_PROFILE_KEYS)), start=1):
+    lines.append(f"{n:4d}  {int(canvases):8d} | {accepted:8.2f}  {final:13.2f}  {entropy:12.4f}")
+  return "\n".join(lines)
+
+
+def _per_step_means(sums: dict, count_key: str) -> dict:
+  """Sums per step -> means per counted item, over the steps any item ran; the count stays."""
+  ran = sums[count_key] > 0
+  return {key: (value[ran] if key == count_key else value[ran] / sums[count_key][ran]).tolist()
+          for key, value in sums.items()}
+
+
 def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, seed: int,
                         progress=None, warmup: bool = False, on_trajectory=None,
                         timing: dict | None = None):
@@ -163,18 +201,20 @@ def evaluate(task: Task, params, model_cfg: ModelConfig, sampler_cfg: sampler.Sa
 
   metrics: the task's (`Task.score`) plus `sampler_metrics`, `latency_metrics` and
   num_examples; a sampler that
-  records trajectories adds settle_steps_per_canvas and, where the task profiles trajectories
-  (`Task.profile_trajectory`), step_profile: per denoising step, the task's sums as means per
-  example that ran the step ("rows": how many did). predictions: one record per example.
+  records trajectories adds settle_steps_per_canvas, sampler_profile (per denoising step, any
+  task: `sampler_step_sums` as means per canvas that ran the step) and, where the task profiles
+  trajectories (`Task.profile_trajectory`), step_profile: per denoising step, the task's sums as
+  means per example that ran the step ("rows": how many did). predictions: one record per example.
   """
   check_prompts(prompts, model_cfg, sampler_cfg)
   generate_fn = generate_fn or sampler.make_generate_fn(model_cfg, sampler_cfg)
-  profile = {}
+  profile, sampler_sums = {}, {}
 
   def on_trajectory(rows, trajectory):
-    sums = task.profile_trajectory(prompts.take(rows), trajectory)
-    for key, value in (sums or {}).items():
-      profile[key] = profile[key] + value if key in profile else value
+    for into, sums in ((profile, task.profile_trajectory(prompts.take(rows), trajectory)),
+                       (sampler_sums, sampler_step_sums(trajectory))):
+      for key, value in (sums or {}).items():
+        into[key] = into[key] + value if key in into else value
 
   timing = {}
   tokens, stats, seconds = generate_in_batches(
@@ -184,8 +224,7 @@ def evaluate(task: Task, params, model_cfg: ModelConfig, sampler_cfg: sampler.Sa
   metrics.update(sampler_metrics(stats, seconds), num_examples=int(len(prompts)))
   metrics.update(latency_metrics(timing, min(batch_size, len(prompts))))
   if profile:
-    ran = profile["rows"] > 0
-    metrics["step_profile"] = {
-        key: (value[ran] if key == "rows" else value[ran] / profile["rows"][ran]).tolist()
-        for key, value in profile.items()}
+    metrics["step_profile"] = _per_step_means(profile, "rows")
+  if sampler_sums:
+    metrics["sampler_profile"] = _per_step_means(sampler_sums, "canvases")
   return metrics, predictions
