@@ -44,6 +44,9 @@ def get_config(variant: str = "count"):
       "advantage_clip": 0.0,  # 0 = off
       "reward_weight": 1.0,  # state weight A + reward_weight * r
       "cell_weighting": "none",  # a chat task gives no token weights
+      # "final": each state toward its trajectory's final canvas; "verified": toward a right
+      # canvas (its own when the verifier says correct, else the task's reference reply).
+      "target": "final",
       "anchor": "sft",  # "none" | "kl" | "sft" (the SFT loss on the training data)
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,

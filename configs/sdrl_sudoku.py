@@ -42,6 +42,9 @@ def get_config():
       "reward_weight": 1.0,
       # "consistent": distil only the final grid's cells that the verifier finds consistent.
       "cell_weighting": "none",
+      # "final": each state toward its trajectory's final canvas; "verified": toward a right
+      # canvas (its own when the verifier says correct, else the task's reference reply).
+      "target": "final",
       # "none" | "kl" (to the initial parameters, on the trained states) | "sft" (the SFT loss on
       # c.data's puzzles): the anchor keeps the few points of accuracy fine-tuning starts lose.
       "anchor": "sft",
