@@ -15,7 +15,7 @@ import pytest
 from diffgemma import errors
 from diffgemma.runs import provenance
 from diffgemma.training import budget, loop
-from tests.helpers import restore_run, tiny_sudoku_config
+from tests.helpers import one_line_error, restore_run, run, tiny_sudoku_config
 
 
 def brute_force_fit(seconds_left, start, sps, compile_s, eval_s, eval_every, ckpt_s, ckpt_every,
@@ -165,7 +165,8 @@ def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tm
   config.sampler.max_denoising_steps = 2
   resumed = str(tmp_path / "resumed")
   loop.train(config, resumed, stop_at=5)
-  assert json.load(open(os.path.join(resumed, "config.json")))["num_train_steps"] == 7
+  saved = json.load(open(os.path.join(resumed, "config.json")))
+  assert saved["num_train_steps"] == 7 and saved["fitted_schedule"] == [[3, 7]]
   (call,) = asked
   assert call["start_step"] == 3 and call["seconds_per_step"] > 0
   assert call["eval_every"] == 100 and call["eval_seconds"] > 0
@@ -230,14 +231,14 @@ def test_a_refit_at_the_first_evaluation_follows_the_pace_since_the_calibration(
   config.sampler.max_denoising_steps = 2
   workdir = str(tmp_path / "run")
   loop.train(config, workdir, stop_at=13)
-  (run,) = provenance.load_run_info(workdir)["invocations"]
-  fitted = run["budget_fit"]["num_train_steps"]
-  (refit,) = run["budget_refits"]
+  (invocation,) = provenance.load_run_info(workdir)["invocations"]
+  fitted = invocation["budget_fit"]["num_train_steps"]
+  (refit,) = invocation["budget_refits"]
   assert (refit["step"], refit["before"], refit["reason"]) == (12, fitted, reason)
   assert (refit["after"] > fitted) == (reason == budget.FASTER)
   assert refit["after"] != fitted and refit["seconds_per_step"] > 0
   saved = json.load(open(os.path.join(workdir, "config.json")))
-  calibrated_at = run["budget_fit"]["calibration_steps"]
+  calibrated_at = invocation["budget_fit"]["calibration_steps"]
   assert calibrated_at <= 4
   assert saved["fitted_schedule"] == [[calibrated_at, fitted], [12, refit["after"]]]
   assert saved["num_train_steps"] == refit["after"]
@@ -255,63 +256,104 @@ def test_fitting_needs_a_budget_and_a_warmup_to_time(tmp_path):
   assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
 
 
-# `python -c _FIT_TO N train.py ARGS`: train.py, whose fit picks N steps (the count must not
-# depend on this machine's speed; the fit itself is tested above; no hook in the product).
+def test_the_load_benchmark_checks_its_flags_before_it_starts_anything(tmp_path):
+  """benchmarks/fit_under_load.py: a load longer than the run, an unknown run name: one line
+  each, nothing started (its --help: tests/test_cli.py)."""
+  out = str(tmp_path / "out")
+  for args, needle in ((["--minutes=10", "--load_minutes=20"], "--load_minutes"),
+                       (["--runs=quiet,busy"], "--runs")):
+    one_line_error(run("benchmarks/fit_under_load.py", f"--out={out}", *args), needle)
+  assert not os.path.exists(out)
+
+
+# `python -c _FIT_TO N REFITS HANG train.py ARGS`: train.py whose calibration fits N steps and
+# whose re-fits decide REFITS ("step:count,..."; the count is kept at the other points): the
+# decisions must not depend on this machine's speed (the fit and the re-fit are tested above; no
+# hook in the product). HANG > 0: the process stops dead once the re-fit at that step is recorded.
 _FIT_TO = """
-import runpy, sys
+import os, runpy, sys, time
+from diffgemma.runs import provenance
 from diffgemma.training import budget
 
-count = int(sys.argv.pop(1))
+count, table, hang = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+del sys.argv[1:4]
+refits = dict(tuple(int(x) for x in pair.split(":")) for pair in table.split(",") if pair)
 budget.fit_num_steps = lambda *args, **kwargs: count
+budget.refit = lambda num_steps, step, *a, **k: (
+    (refits[step], "faster" if refits[step] > num_steps else "slower") if step in refits
+    else (num_steps, "kept"))
+record = provenance.record_refit
+
+def record_then_hang(workdir, refit):
+  record(workdir, refit)
+  if refit["step"] == hang:
+    open(os.path.join(workdir, "hanging"), "w").close()
+    time.sleep(600)
+
+provenance.record_refit = record_then_hang
 sys.argv.pop(0)
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 FITTED_STEPS = 20
+REFITS = {6: 26, 10: 24, 14: 22}  # lengthened, shortened, shortened: the run ends at 22
 FITTED_FLAGS = ["--config=tests/tiny_sudoku_config.py", "--config.num_train_steps=0",
                 "--config.max_train_minutes=30", "--config.optimizer.warmup_steps=3",
-                "--config.checkpoint_every=2"]
+                "--config.checkpoint_every=4", "--config.eval.every_steps=2",
+                "--config.eval.num_puzzles=2", "--config.eval.batch_size=2",
+                "--config.sampler.max_denoising_steps=2"]
 
 
 @pytest.mark.slow
-def test_a_fitted_run_killed_then_rerun_equals_the_uninterrupted_fitted_run(tmp_path):
-  """kill -9 of a fitted train.py once its count is saved and a checkpoint is written, then the
-  same command: it resumes under the saved count (no second fit) and ends bitwise equal to an
-  uninterrupted fitted run."""
+def test_a_fitted_run_killed_between_refits_then_rerun_equals_the_uninterrupted_run(tmp_path):
+  """kill -9 of a fitted train.py after its re-fit at step 10 is recorded, with its latest
+  checkpoint at step 8, then the same command: it resumes at 8 under the decisions recorded up
+  to there, replays the one at 10, takes the later ones fresh (here the same as the
+  uninterrupted run's), and ends bitwise equal to the uninterrupted fitted run."""
   import subprocess
   import sys
-  import time
 
   from diffgemma.runs import checkpointing
 
-  def command(workdir):
-    return [sys.executable, "-c", _FIT_TO, str(FITTED_STEPS), "train.py", *FITTED_FLAGS,
-            f"--workdir={workdir}"]
+  def command(workdir, count, refits, hang=0):
+    table = ",".join(f"{k}:{v}" for k, v in refits.items())
+    return [sys.executable, "-c", _FIT_TO, str(count), table, str(hang), "train.py",
+            *FITTED_FLAGS, f"--workdir={workdir}"]
 
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-  subprocess.run(command(straight), check=True, capture_output=True, env=env, timeout=600)
+  done = subprocess.run(command(straight, FITTED_STEPS, REFITS), capture_output=True, text=True,
+                        env=env, timeout=600)
+  assert done.returncode == 0, done.stdout + done.stderr
   with open(tmp_path / "first.log", "w") as log:
-    proc = subprocess.Popen(command(killed), stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(command(killed, FITTED_STEPS, REFITS, hang=10), stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 600
     while proc.poll() is None and time.time() < deadline:
-      if (checkpointing.latest_step(killed) or 0) >= 4:  # past the fit, mid-schedule
+      if os.path.exists(os.path.join(killed, "hanging")) and checkpointing.latest_step(killed):
         break
-      time.sleep(0.01)
-    assert proc.poll() is None, "the run finished before it could be killed"
+      time.sleep(0.05)
+    assert proc.poll() is None, open(tmp_path / "first.log").read()
     proc.kill()
     proc.wait()
-  killed_at = checkpointing.latest_step(killed)
-  assert 4 <= killed_at < FITTED_STEPS
-  assert json.load(open(os.path.join(killed, "config.json")))["num_train_steps"] == FITTED_STEPS
-  # The rerun's fit would pick another count if it were asked: it must not be.
-  rerun = [sys.executable, "-c", _FIT_TO, str(FITTED_STEPS + 5), *command(killed)[4:]]
+  assert checkpointing.latest_step(killed) == 8
+  schedule = json.load(open(os.path.join(killed, "config.json")))["fitted_schedule"]
+  assert schedule == [[3, 20], [4, 20], [6, 26], [8, 26], [10, 24]]
+  # The rerun's calibration and its re-fits up to step 10 would decide otherwise if they were
+  # asked: they must not be; the later ones are fresh.
+  rerun = command(killed, FITTED_STEPS + 5, {6: 30, 10: 30, 14: 22})
   done = subprocess.run(rerun, capture_output=True, text=True, env=env, timeout=600)
   assert done.returncode == 0, done.stdout + done.stderr
   runs = provenance.load_run_info(killed)["invocations"]
   assert "budget_fit" in runs[0] and "budget_fit" not in runs[-1]
-  assert (runs[-1]["start_step"], runs[-1]["end_step"]) == (killed_at, FITTED_STEPS)
+  assert [r["step"] for r in runs[-1]["budget_refits"]] == [12, 14, 16, 18, 20]
+  assert (runs[-1]["start_step"], runs[-1]["end_step"]) == (8, 22)
+  for path in (straight, killed):
+    config = json.load(open(os.path.join(path, "config.json")))
+    assert config["num_train_steps"] == 22
+    assert [d for d in config["fitted_schedule"] if d[0] in (3, 6, 10, 14)] == [
+        [3, 20], [6, 26], [10, 24], [14, 22]]
   states = {}
   for name, path in (("killed", killed), ("straight", straight)):
     *_, states[name], _, step = restore_run(path)
-    assert step == FITTED_STEPS, (name, step)
+    assert step == 22, (name, step)
   jax.tree_util.tree_map(np.testing.assert_array_equal, states["killed"], states["straight"])
