@@ -11,6 +11,11 @@ host, devices) and, when the loop ended without an error, the step it ended at a
   "stop_at"            the caller asked it to stop early (a simulated preemption);
   "preempted"          a SIGTERM or Ctrl-C stopped it at a step boundary (with a checkpoint).
 
+A run whose schedule is fitted to its budget (`num_train_steps=0`, `training.budget`) adds
+`budget_fit` (the calibration) to the invocation that started it, and `budget_refits` (one entry
+per re-fit: step, seconds per step, count before and after, reason) to the invocation that took
+each decision.
+
 It also holds `headline_metric`: the task's main metric (its periodic evaluation logs it as
 `eval/NAME`), which tools/compare.py plots as the quality axis.
 
@@ -187,6 +192,24 @@ def record_fit(workdir: str, calibration: dict) -> None:
   info = load_run_info(workdir)
   info["invocations"][-1]["budget_fit"] = calibration
   _save(workdir, info)
+
+
+def record_refit(workdir: str, refit: dict) -> None:
+  """Append a re-fit of the budget's schedule (`training.budget.Refit`) to this invocation's
+  `budget_refits`; only process 0 writes."""
+  if not distributed.primary():
+    return
+  info = load_run_info(workdir)
+  info["invocations"][-1].setdefault("budget_refits", []).append(refit)
+  _save(workdir, info)
+
+
+def budget_fit(workdir: str) -> dict | None:
+  """The run's latest calibration record (`record_fit`), or None."""
+  for invocation in reversed(load_run_info(workdir)["invocations"]):
+    if "budget_fit" in invocation:
+      return invocation["budget_fit"]
+  return None
 
 
 def stop_reason(step: int, num_train_steps: int, timed_out: bool,

@@ -2,18 +2,34 @@
 
 A step count written into a recipe fits one machine: the Sudoku default's 4000 steps ended after
 21 of its 30 minutes on a fast 2-core AMD EPYC and were cut at 3480 steps, mid-decay, on a slow
-Intel Xeon. With `num_train_steps=0` the loop measures instead (`training.loop`):
+Intel Xeon. With `num_train_steps=0` the loop measures instead (`training.loop`), and fits the
+count at stated points:
 
-1. the first steps after the compile, all inside the learning-rate warmup, which does not depend
-   on the step count: they are the fitted run's own first steps, and nothing is thrown away;
-2. the periodic evaluation once, with its compile time taken out (`CompileClock`), and one
-   checkpoint write;
+1. the calibration, at the end of the learning-rate warmup (whose values do not depend on the
+   step count, so its steps are the run's own): the timed steps after the compile, one periodic
+   evaluation with its compile time taken out (`CompileClock`) and one checkpoint write;
+   `fit_num_steps` picks the largest count whose steps, evaluations, checkpoints and the update
+   step's recompile (the schedule is a compile-time constant) end inside the time left, less a
+   margin (`margin_seconds`);
+2. a re-fit at every periodic evaluation after it (at every checkpoint when evaluation is off):
+   `refit` keeps the count while it still fits and no more than a margin's worth of time would
+   be left over, else fits it again (shorter: "slower"; longer: "faster").
 
-then `fit_num_steps` picks the largest count whose steps, evaluations, checkpoints and the update
-step's recompile (the schedule is a compile-time constant) end inside the time left, less a
-`MARGIN`. The count is written into the run's config.json before any checkpoint exists, so a
-resume (kill -9 included) reads it back and continues the same schedule bitwise. `run_info.json`
-records the calibration (`Calibration.as_dict`).
+Each uses the fastest stable stretch of the step times since the previous fit (`fastest_window`:
+the fastest run of consecutive timing windows covering a quarter of them, windows that held an
+evaluation, a checkpoint or a compile left out), so a start slowed by another process on the
+same core does not fix a short schedule, and a lasting slow-down shows at the next re-fit. A
+change recompiles the update step (its cost is part of the fit) and continues the cosine decay
+from the learning rate it has reached (`optimizer.learning_rate_schedule`), so the learning rate
+does not jump.
+
+Every decision, kept counts included, goes into the run's config.json (`fitted_schedule`: [step,
+count] pairs, and `num_train_steps`, the latest count) before any checkpoint after it exists:
+a resumed run (kill -9 included) replays the decisions recorded for its steps and so follows the
+same schedule bitwise; later re-fits are taken fresh, and may only shorten the schedule (a
+resumed invocation has a new max_train_minutes deadline, and the run's length must not depend on
+when it was interrupted). `run_info.json` records the calibration (`Calibration.as_dict`) and
+each re-fit (`Refit.as_dict`).
 """
 
 from __future__ import annotations
@@ -26,8 +42,17 @@ import jax
 FIT = 0  # num_train_steps=0: fit the count to max_train_minutes
 # Time left kept free: a CPU step drifts by a few percent over a run (periodic evals warm the
 # caches differently, the data curriculum changes), and a schedule cut by the deadline loses its
-# lowest-learning-rate steps, which matter most.
+# lowest-learning-rate steps, which matter most. At most MAX_MARGIN_SECONDS: the re-fits catch a
+# drift, and a run should leave at most two minutes unused (a margin, plus at most a margin's
+# worth of time that a re-fit does not extend into).
 MARGIN = 0.03
+MAX_MARGIN_SECONDS = 60.0
+# The fastest stretch of step times covers this fraction of the windows since the last fit: long
+# enough that one lucky window does not set the pace, short enough that a slowed start (or an end
+# slowed by load) is left out.
+FASTEST_SHARE = 0.25
+# Why a fit chose its count (run_info.json's budget_refits, the progress line).
+KEPT, FASTER, SLOWER = "kept", "faster", "slower"
 # The calibration ends at the end of the warmup, or earlier once it has used this fraction of
 # the budget (a slow machine, a long warmup), after at least MIN_TIMED_STEPS timed steps.
 MAX_CALIBRATION_SHARE = 0.1
@@ -75,15 +100,20 @@ def seconds_needed(num_steps: int, start_step: int, seconds_per_step: float,
           + events_between(start_step, num_steps, checkpoint_every) * checkpoint_seconds)
 
 
+def margin_seconds(seconds_left: float, margin: float = MARGIN) -> float:
+  """The time kept free of `seconds_left`: `margin` of it, at most MAX_MARGIN_SECONDS."""
+  return min(margin * seconds_left, MAX_MARGIN_SECONDS)
+
+
 def fit_num_steps(seconds_left: float, start_step: int, seconds_per_step: float,
                   compile_seconds: float = 0.0, eval_seconds: float = 0.0, eval_every: int = 0,
                   checkpoint_seconds: float = 0.0, checkpoint_every: int = 0,
                   margin: float = MARGIN) -> int:
-  """The largest step count whose remaining work (`seconds_needed`) fits (1 - margin) of
-  `seconds_left`; at least start_step + 1 (a schedule always has a next step)."""
+  """The largest step count whose remaining work (`seconds_needed`) fits `seconds_left` less
+  `margin_seconds`; at least start_step + 1 (a schedule always has a next step)."""
   if seconds_per_step <= 0:
     raise ValueError(f"seconds_per_step must be positive, got {seconds_per_step}")
-  available = (1.0 - margin) * seconds_left
+  available = seconds_left - margin_seconds(seconds_left, margin)
 
   def fits(n):
     return seconds_needed(n, start_step, seconds_per_step, compile_seconds, eval_seconds,
@@ -100,6 +130,83 @@ def fit_num_steps(seconds_left: float, start_step: int, seconds_per_step: float,
     else:
       hi = mid - 1
   return lo
+
+
+def fastest_window(windows, share: float = FASTEST_SHARE) -> float | None:
+  """Seconds per step of the fastest run of consecutive timing windows, each (steps, seconds),
+  that covers `share` of them (at least one window); None without windows. The windows are
+  those since the last fit that held no evaluation, checkpoint or compile, in step order."""
+  windows = [(int(n), float(t)) for n, t in windows if n > 0]
+  if not windows:
+    return None
+  span = max(1, int(len(windows) * share))
+  steps = [0]
+  seconds = [0.0]
+  for n, t in windows:  # prefix sums: every run of `span` windows in O(1)
+    steps.append(steps[-1] + n)
+    seconds.append(seconds[-1] + t)
+  return min((seconds[i + span] - seconds[i]) / (steps[i + span] - steps[i])
+             for i in range(len(windows) - span + 1))
+
+
+def refit(num_steps: int, step: int, seconds_left: float, seconds_per_step: float,
+          compile_seconds: float = 0.0, eval_seconds: float = 0.0, eval_every: int = 0,
+          checkpoint_seconds: float = 0.0, checkpoint_every: int = 0,
+          may_extend: bool = True, margin: float = MARGIN) -> tuple[int, str]:
+  """(count, reason) at a re-fit after `step` of a `num_steps` schedule: the count is kept (KEPT)
+  while its remaining work, with no recompile, fits the time left less the margin and would
+  leave at most another margin unused; else it is fitted again (`fit_num_steps`, a recompile
+  included): SLOWER when the count no longer fits, FASTER when the new count is larger (only
+  with `may_extend`)."""
+  timing = dict(eval_seconds=eval_seconds, eval_every=eval_every,
+                checkpoint_seconds=checkpoint_seconds, checkpoint_every=checkpoint_every)
+  keep_margin = margin_seconds(seconds_left, margin)
+  unused = seconds_left - keep_margin - seconds_needed(num_steps, step, seconds_per_step, 0.0,
+                                                       **timing)
+  if unused >= 0 and not (may_extend and unused > keep_margin):
+    return num_steps, KEPT
+  fitted = fit_num_steps(seconds_left, step, seconds_per_step, compile_seconds, margin=margin,
+                         **timing)
+  if unused < 0 and fitted < num_steps:
+    return fitted, SLOWER
+  if unused >= 0 and fitted > num_steps:
+    return fitted, FASTER
+  return num_steps, KEPT  # a recompile would cost more than the change gains
+
+
+def schedule_lengths(fitted_schedule) -> tuple[tuple[int, int], ...]:
+  """The learning-rate schedule's lengths from a run's fit decisions ([step, count] pairs, the
+  calibration first): ((0, first count), (step, new count) at each change); kept counts drop."""
+  lengths = []
+  for step, count in fitted_schedule:
+    if not lengths:
+      lengths.append((0, int(count)))
+    elif count != lengths[-1][1]:
+      lengths.append((int(step), int(count)))
+  return tuple(lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refit:
+  """One re-fit after `step` (seconds; steps): what it measured, the count before and after."""
+
+  step: int
+  seconds_per_step: float | None  # the fastest window since the last fit; None: no clean one
+  eval_seconds: float
+  seconds_left: float
+  before: int
+  after: int
+  reason: str  # KEPT, FASTER or SLOWER
+
+  def as_dict(self) -> dict:
+    return {k: (round(v, 4) if isinstance(v, float) else v)
+            for k, v in dataclasses.asdict(self).items()}
+
+  def describe(self) -> str:
+    pace = (f"{1 / self.seconds_per_step:.2f} steps/s" if self.seconds_per_step
+            else "no clean timing window")
+    return (f"step {self.step}: re-fitted num_train_steps {self.before} -> {self.after} "
+            f"({self.reason}: {pace}, {self.seconds_left / 60:.1f} min left)")
 
 
 class CompileClock:

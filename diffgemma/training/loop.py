@@ -92,6 +92,9 @@ def prepare_config(config: ml_collections.ConfigDict, workdir: str | None,
   if step is not None:
     config, changes = resume_config.reconcile(checkpointing.load_config(workdir), config,
                                               overridden, workdir)
+    if "num_train_steps" in changes and config.get("fitted_schedule"):
+      with config.unlocked():  # an explicit count ends the fitted schedule and its re-fits
+        config.fitted_schedule = []
   elif init_from:
     with config.unlocked():
       config.init_from = os.path.abspath(init_from)
@@ -237,6 +240,14 @@ def _agreed_stop(step: int, stop_at, end_time, preemption) -> str:
   return distributed.agree_any("stop", mine)
 
 
+def _with_schedule(run: run_config.RunConfig, decisions) -> run_config.RunConfig:
+  """`run` under a fitted schedule's decisions so far ([step, count] pairs; the last count is
+  the one in effect)."""
+  decisions = tuple((int(s), int(n)) for s, n in decisions)
+  return dataclasses.replace(run, train=dataclasses.replace(
+      run.train, num_train_steps=decisions[-1][1], fitted_schedule=decisions))
+
+
 def _with_num_train_steps(run: run_config.RunConfig, num_steps: int) -> run_config.RunConfig:
   return dataclasses.replace(run, train=dataclasses.replace(run.train, num_train_steps=num_steps))
 
@@ -250,19 +261,23 @@ class _StepClock:
     self.start_step = start_step
     self.began, self.began_wall = time.perf_counter(), time.time()
     self.first_done = None  # perf_counter after the compiled step
+    self.durations = []  # seconds of each step after it
 
   def stepped(self, step: int, state) -> None:
     jax.block_until_ready(state)
     now = time.perf_counter()
     if self.first_done is None:
       self.first_done = now
+    else:
+      self.durations.append(now - self.last_done)
     self.last_done, self.last_step = now, step
 
   def timed_steps(self) -> int:
-    return 0 if self.first_done is None else self.last_step - self.start_step - 1
+    return len(self.durations)
 
   def seconds_per_step(self) -> float:
-    return (self.last_done - self.first_done) / self.timed_steps()
+    """The fastest stretch of the timed steps (`budget.fastest_window`)."""
+    return budget.fastest_window((1, seconds) for seconds in self.durations)
 
   def compile_seconds(self) -> float:
     return max(0.0, self.first_done - self.began - self.seconds_per_step())
@@ -274,6 +289,46 @@ class _StepClock:
       return False
     share = (time.time() - self.began_wall) / max(end_time - self.began_wall, 1e-9)
     return step >= warmup_end or share >= budget.MAX_CALIBRATION_SHARE
+
+
+class _Refits:
+  """A fitted run's re-fits after its calibration (`budget.refit`): the clean timing windows
+  (steps, seconds) since the last decision, what a schedule costs besides its steps, and the
+  decisions already recorded for the steps ahead (a resumed run replays them, so it follows
+  the schedule of the run it continues; fresh decisions come only after the last recorded one)."""
+
+  def __init__(self, decisions, start_step: int, timing: dict, may_extend: bool):
+    self.pending = {int(s): int(n) for s, n in decisions if s > start_step}
+    self.last_recorded = max((int(s) for s, _ in decisions), default=-1)
+    self.windows = []
+    self.timing = {k: float(timing.get(k) or 0.0)
+                   for k in ("compile_seconds", "eval_seconds", "checkpoint_seconds")}
+    self.may_extend = may_extend
+
+  def due(self, step: int, cadence: int) -> bool:
+    return step in self.pending or (step > self.last_recorded and step % cadence == 0)
+
+  def decide(self, step: int, num_steps: int, end_time, eval_every: int,
+             checkpoint_every: int) -> tuple[int, budget.Refit | None]:
+    """(the count after `step`, the fresh decision to record or None): the recorded decision
+    for `step`, else a fresh one (none without a deadline: the count is kept), process 0's,
+    agreed by every process."""
+    windows, self.windows = self.windows, []
+    if step in self.pending:
+      return self.pending.pop(step), None
+    if end_time is None:
+      return num_steps, None
+    seconds_left = end_time - time.time()
+    seconds_per_step = budget.fastest_window(windows)
+    count, reason = num_steps, budget.KEPT  # no clean window since the last fit: no evidence
+    if seconds_per_step is not None:
+      count, reason = budget.refit(num_steps, step, seconds_left, seconds_per_step,
+                                   eval_every=eval_every, checkpoint_every=checkpoint_every,
+                                   may_extend=self.may_extend, **self.timing)
+    count, reason = distributed.agree("refit", lambda: f"{count} {reason}").split()
+    self.last_recorded = step
+    return int(count), budget.Refit(step, seconds_per_step, self.timing["eval_seconds"],
+                                    seconds_left, num_steps, int(count), reason)
 
 
 def _fit_schedule(clock: _StepClock, step: int, end_time: float, train_cfg, eval_every: int,
@@ -328,6 +383,11 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   fitting = run.train.num_train_steps == budget.FIT and start_step is None
   if fitting:
     run = _with_num_train_steps(run, run.optimizer.warmup_steps)
+  # A resumed fitted run starts under the decisions taken up to its step; the later recorded
+  # ones are replayed at their steps (`_Refits`).
+  decisions = run.train.fitted_schedule
+  if start_step is not None and decisions:
+    run = _with_schedule(run, [d for d in decisions if d[0] <= start_step] or decisions[:1])
   setup = training_state.make_setup(run)
   train_cfg = setup.train_cfg
   stage = stages.make_stage(task, setup)
@@ -349,6 +409,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
     checkpointing.save_config(workdir, config)
   # run_info.json: this invocation's provenance, and the task's main metric (tools/compare.py)
   provenance.record_start(workdir, start_step, headline_metric=task.headline_metric)
+  refits = (_Refits(decisions, start_step, provenance.budget_fit(workdir) or {}, may_extend=False)
+            if decisions and not fitting else None)
   # After the restore: a checkpoint moved aside is not one of the manager's steps.
   mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints)
   model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg
@@ -384,11 +446,38 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
     saved = state if not (frozen is not None and lora_cfg.save_base) else {**state, "base": frozen}
     checkpointing.save(mngr, step, saved)
 
+  def reschedule(step, decisions):
+    """Continue after `step` under a fitted schedule's decisions: rebuild what depends on the
+    count, the schedule (a compile-time constant of the update step) and the stage's data
+    stream (from this step on)."""
+    nonlocal run, setup, train_cfg, stage, step_fn
+    run = _with_schedule(run, decisions)
+    setup = training_state.make_setup(run, mesh=setup.mesh)
+    train_cfg = setup.train_cfg
+    stage = stages.make_stage(task, setup)
+    stage.start(state, frozen, step, workdir)
+    step_fn = update_step.make_update_step(
+        setup, stage.loss_fn, state_sh, frozen_sh,
+        update_step.batch_shardings(setup, stage.batch_shapes()), stage.update_stream)
+    bar.total = train_cfg.num_train_steps
+    bar.refresh()
+
+  def save_decision(decision):
+    """Append a fit decision ([step, count]) to config.json, with the count in effect, before
+    any checkpoint after it: a resume replays it."""
+    with config.unlocked():
+      config.fitted_schedule = [*config.get("fitted_schedule", []), list(decision)]
+      config.num_train_steps = decision[1]
+    checkpointing.save_config(workdir, config)
+
   # ---------------------------------------------------------------- the loop
   end_time = (time.time() + 60 * train_cfg.max_train_minutes
               if train_cfg.max_train_minutes > 0 else None)
   last, host_metrics = {}, {}
-  window_start, window_steps = time.perf_counter(), 0
+  # A timing window (between two logged steps) is clean when it held no checkpoint and no
+  # compile: a re-fit's pace comes from the clean ones (evaluations restart the window).
+  window_start, window_steps, window_clean = time.perf_counter(), 0, False
+  refit_every = eval_cfg.every_steps if eval_prompts is not None else train_cfg.checkpoint_every
   bar = tqdm(total=None if fitting else train_cfg.num_train_steps, initial=start_step,
              desc=stage.name, unit="step", dynamic_ncols=True, disable=not distributed.primary())
   step, stop = start_step, ""
@@ -413,7 +502,9 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
         if stage.tokens_per_batch():
           metrics["tokens_per_second"] = window_steps * stage.tokens_per_batch() / elapsed
         metrics.update(host_metrics)
-        window_start, window_steps = time.perf_counter(), 0
+        if refits is not None and window_clean:
+          refits.windows.append((window_steps, elapsed))
+        window_start, window_steps, window_clean = time.perf_counter(), 0, True
         writer.write(step, metrics)
         bar.set_postfix(stage.progress_fields(metrics))
         last.update(metrics)
@@ -421,15 +512,21 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
       stop = _agreed_stop(step, stop_at, end_time, preemption) if boundary else ""
       stopping = bool(stop)
       if eval_prompts is not None and (step % eval_cfg.every_steps == 0 or final or stopping):
-        last.update(evaluate_and_log(step, eval_params(state, frozen, lora_cfg), task, model_cfg,
-                                     eval_sampler_cfg, eval_prompts, eval_cfg.batch_size,
-                                     generate_fn, writer, trace_fn, trace_rows))
-        window_start, window_steps = time.perf_counter(), 0  # eval time is not throughput
+        with budget.CompileClock() as eval_clock:
+          last.update(evaluate_and_log(step, eval_params(state, frozen, lora_cfg), task,
+                                       model_cfg, eval_sampler_cfg, eval_prompts,
+                                       eval_cfg.batch_size, generate_fn, writer, trace_fn,
+                                       trace_rows))
+        if refits is not None:
+          refits.timing["eval_seconds"] = eval_clock.warm_seconds
+        # eval time is not throughput
+        window_start, window_steps, window_clean = time.perf_counter(), 0, True
       if fitting and stopping:
         tqdm.write(f"stopped at step {step}, before the schedule was fitted to the budget: "
                    "nothing saved; rerun the same command to start again")
       elif boundary and (step % train_cfg.checkpoint_every == 0 or final or stopping):
         checkpoint(step)
+        window_clean = False  # the write goes on in the background
       if stop == provenance.MAX_TRAIN_MINUTES:
         tqdm.write(f"stopping at step {step}: max_train_minutes={train_cfg.max_train_minutes} "
                    "reached")
@@ -449,24 +546,29 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
             lambda scratch: _save_and_wait(scratch, step, state), workdir)
         last.update(evaluated)
         fitting, clock = False, None
-        with config.unlocked():
-          config.num_train_steps = calibration.num_train_steps
-        checkpointing.save_config(workdir, config)  # before any checkpoint: a resume reads it
+        decision = (step, calibration.num_train_steps)
+        save_decision(decision)
         provenance.record_fit(workdir, calibration.as_dict())
-        run = _with_num_train_steps(run, calibration.num_train_steps)
-        setup = training_state.make_setup(run, mesh=setup.mesh)
-        train_cfg = setup.train_cfg
-        stage = stages.make_stage(task, setup)
-        stage.start(state, frozen, step, workdir)
-        step_fn = update_step.make_update_step(
-            setup, stage.loss_fn, state_sh, frozen_sh,
-            update_step.batch_shardings(setup, stage.batch_shapes()), stage.update_stream)
+        refits = _Refits([decision], step, calibration.as_dict(), may_extend=True)
+        reschedule(step, [decision])
         tqdm.write(calibration.describe(train_cfg.max_train_minutes))
         if calibration.num_train_steps < train_cfg.min_useful_steps:
           tqdm.write(_too_slow(calibration, train_cfg))
-        bar.total = train_cfg.num_train_steps
-        bar.refresh()
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window_steps, window_clean = time.perf_counter(), 0, False
+      elif (refits is not None and step < train_cfg.num_train_steps
+            and refits.due(step, refit_every)):
+        before = train_cfg.num_train_steps
+        count, refit = refits.decide(step, before, end_time,
+                                     eval_cfg.every_steps if eval_prompts else 0,
+                                     train_cfg.checkpoint_every)
+        if refit is not None:  # a fresh decision: saved before any checkpoint after it
+          save_decision((step, count))
+          provenance.record_refit(workdir, refit.as_dict())
+        if count != before:
+          reschedule(step, [*train_cfg.fitted_schedule, (step, count)])
+          tqdm.write(refit.describe() if refit is not None else
+                     f"step {step}: num_train_steps {before} -> {count} (recorded in config.json)")
+          window_clean = False  # the next step compiles
   except BaseException:  # the loop's own error is the one the user sees
     _close(bar, mngr, writer, failed=True)
     raise

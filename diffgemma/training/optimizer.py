@@ -60,8 +60,16 @@ class OptimizerConfig:
       raise ValueError(f"optimizer.grad_clip must be > 0, got {self.grad_clip}")
 
 
-def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int):
-  """Linear warmup from 0, then cosine decay to end_lr_fraction * lr, or constant."""
+def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int, lengths=()):
+  """Linear warmup from 0, then cosine decay to end_lr_fraction * lr, or constant.
+
+  `lengths` ((first step, schedule length) pairs, from `training.budget.schedule_lengths`): a
+  cosine schedule whose length was re-fitted during the run. From each change on, the decay
+  continues from the point it has reached and ends at the new length (its progress runs
+  linearly from there to 1), so the learning rate is continuous across a change; its slope
+  changes. Up to the first change it is the plain schedule of the first length."""
+  if cfg.schedule == "cosine" and len(lengths) > 1:
+    return _refitted_cosine(cfg, lengths)
   if cfg.schedule == "cosine":
     return optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup_steps, max(num_steps, cfg.warmup_steps + 1),
@@ -69,6 +77,32 @@ def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int):
   return optax.join_schedules(
       [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), optax.constant_schedule(cfg.lr)],
       [cfg.warmup_steps])
+
+
+def _refitted_cosine(cfg: OptimizerConfig, lengths):
+  """The warmup-cosine schedule of `lengths[0]`, continued at each (step, length) after it:
+  progress p (0 at the warmup's end, 1 at the schedule's) goes on from its value at the change
+  (or at the warmup's end, if later) linearly to 1 at the new length."""
+  warmup = cfg.warmup_steps
+  first = learning_rate_schedule(cfg, lengths[0][1])
+  pieces = []  # (first count, progress at it, progress per step)
+  anchor, progress, rate = warmup, 0.0, 1.0 / max(lengths[0][1] - warmup, 1)
+  for step, length in lengths[1:]:
+    start = max(step, warmup)
+    progress = min(1.0, progress + rate * (start - anchor))  # where the previous piece got to
+    anchor, rate = start, (1.0 - progress) / max(length - start, 1)
+    pieces.append((anchor, progress, rate))
+  end = cfg.lr * cfg.end_lr_fraction
+
+  def schedule(count):
+    value = first(count)
+    for start, at, per_step in pieces:
+      p = jnp.clip(at + per_step * (count - start), 0.0, 1.0)
+      cosine = end + (cfg.lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * p))
+      value = jnp.where(count >= start, cosine, value)
+    return value
+
+  return schedule
 
 
 def _matrices(params):
@@ -118,13 +152,15 @@ def _base(cfg: OptimizerConfig, schedule) -> optax.GradientTransformation:
   return tx if cfg.state_dtype == "float32" else cast_state(tx, cfg.state_dtype)
 
 
-def make(cfg: OptimizerConfig, num_steps: int, frozen_router: bool = False):
+def make(cfg: OptimizerConfig, num_steps: int, frozen_router: bool = False, lengths=()):
   """(optax transformation over the trained tree, learning-rate schedule).
+
+  `lengths`: a fitted schedule's re-fitted lengths (`learning_rate_schedule`).
 
   Global-norm clipping, then the optimizer. With `frozen_router` (NeMo's SFT default, full
   fine-tuning only) the router's leaves get no updates and no optimizer state.
   """
-  schedule = learning_rate_schedule(cfg, num_steps)
+  schedule = learning_rate_schedule(cfg, num_steps, lengths)
   tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), _base(cfg, schedule))
   if frozen_router:
     def labels(params):

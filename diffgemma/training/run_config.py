@@ -49,9 +49,18 @@ class TrainConfig:
   on_nonfinite: str = "stop"
   max_nonfinite_skips: int = 10
   device_memory_gib: float = 80.0
+  # Written by the loop of a num_train_steps=0 run (`training.budget`): [step, count] of each fit
+  # decision, the calibration first; num_train_steps is the count in effect.
+  fitted_schedule: tuple = ()
 
   def __post_init__(self):
     fields.check_types(self, "")
+    try:
+      decisions = tuple((int(step), int(count)) for step, count in self.fitted_schedule)
+    except (TypeError, ValueError):
+      raise ValueError(f"fitted_schedule must hold [step, count] pairs (it is written by the "
+                       f"training loop), got {self.fitted_schedule!r}") from None
+    object.__setattr__(self, "fitted_schedule", decisions)  # hashable, as config.json's lists
     if self.seed < 0:
       raise ValueError(f"seed must be >= 0, got {self.seed}")
     for name in ("batch_size", "grad_accum_steps", "log_every", "checkpoint_every",

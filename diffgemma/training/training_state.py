@@ -19,7 +19,7 @@ from diffgemma.io import model_dirs
 from diffgemma.model import lora, network, quantize, sharding
 from diffgemma.model.config import NUMERICS_FIELDS, ModelConfig
 from diffgemma.runs import checkpointing
-from diffgemma.training import optimizer, run_config
+from diffgemma.training import budget, optimizer, run_config
 
 
 @dataclasses.dataclass
@@ -65,7 +65,8 @@ class Setup:
 def make_setup(run: run_config.RunConfig, mesh=None) -> Setup:
   train_cfg, lora_cfg = run.train, run.lora
   tx, schedule = optimizer.make(run.optimizer, train_cfg.num_train_steps,
-                                frozen_router=train_cfg.freeze_router and not lora_cfg.enabled)
+                                frozen_router=train_cfg.freeze_router and not lora_cfg.enabled,
+                                lengths=budget.schedule_lengths(train_cfg.fitted_schedule))
   mesh = mesh or sharding.make_mesh(run.sharding)
   return Setup(run, mesh, run.sharding.rules, tx, schedule)
 
