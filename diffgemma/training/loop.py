@@ -183,9 +183,9 @@ def _check_finite(state, train_cfg: run_config.TrainConfig, mngr) -> int:
   return count
 
 
-def _close(bar, mngr, writer, failed: bool = False) -> None:
+def _close(bar, mngr, writer, failed: BaseException | None = None) -> None:
   """The progress bar, pending checkpoint writes (their failure is one line), TensorBoard. With
-  `failed` (an error is already on its way out) a second error is dropped."""
+  `failed` (the error already on its way out) a second error is dropped."""
   bar.close()
   checkpointing.finish(mngr, failed=failed)
   try:
@@ -302,8 +302,8 @@ def _fit_schedule(clock: _StepClock, step: int, end_time: float, train_cfg, eval
                             num_train_steps=count, **fields), evaluated
 
 
-def _save_and_wait(workdir: str, step: int, state) -> None:
-  mngr = checkpointing.manager(workdir, keep=1)
+def _save_and_wait(workdir: str, step: int, state, timeout_s: float) -> None:
+  mngr = checkpointing.manager(workdir, keep=1, timeout_s=timeout_s)
   checkpointing.save(mngr, step, state)
   checkpointing.finish(mngr)
 
@@ -350,7 +350,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   # run_info.json: this invocation's provenance, and the task's main metric (tools/compare.py)
   provenance.record_start(workdir, start_step, headline_metric=task.headline_metric)
   # After the restore: a checkpoint moved aside is not one of the manager's steps.
-  mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints)
+  mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints,
+                               timeout_s=train_cfg.checkpoint_timeout_s)
   model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg
   trained = sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))
   if frozen is None:
@@ -402,6 +403,7 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
       step += 1
       window_steps += 1
       bar.update(1)
+      checkpointing.check_write(mngr)  # a failed or hung background write ends the run now
       if clock is not None:
         clock.stepped(step, state)
       final = step == train_cfg.num_train_steps and not fitting
@@ -446,7 +448,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
         calibration, evaluated = _fit_schedule(
             clock, step, end_time, train_cfg, eval_cfg.every_steps if eval_prompts else 0,
             evaluate_now if eval_prompts is not None else None,
-            lambda scratch: _save_and_wait(scratch, step, state), workdir)
+            lambda scratch: _save_and_wait(scratch, step, state,
+                                           train_cfg.checkpoint_timeout_s), workdir)
         last.update(evaluated)
         fitting, clock = False, None
         with config.unlocked():
@@ -467,8 +470,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
         bar.total = train_cfg.num_train_steps
         bar.refresh()
         window_start, window_steps = time.perf_counter(), 0
-  except BaseException:  # the loop's own error is the one the user sees
-    _close(bar, mngr, writer, failed=True)
+  except BaseException as e:  # the loop's own error is the one the user sees
+    _close(bar, mngr, writer, failed=e)
     raise
   _close(bar, mngr, writer)  # the checkpoint at `step` is complete
   preempted = stop.startswith(provenance.PREEMPTED)
