@@ -14,6 +14,7 @@ import ml_collections
 from diffgemma.model.config import ModelConfig
 from diffgemma.model.lora import LoraConfig
 from diffgemma.model.sharding import ShardingConfig
+from diffgemma.runs import checkpointing
 from diffgemma.sampling.sampler import SamplerConfig
 from diffgemma.training.losses import LossConfig
 from diffgemma.training.optimizer import OptimizerConfig
@@ -53,6 +54,9 @@ def get_config():
   c.log_every = 20
   c.checkpoint_every = 250
   c.keep_checkpoints = 2
+  # A checkpoint's background write still going after this many seconds (a hung file system)
+  # ends the run in one line (see checkpointing.DEFAULT_TIMEOUT_S for the default's reasons).
+  c.checkpoint_timeout_s = checkpointing.DEFAULT_TIMEOUT_S
   # A step whose loss or gradient norm is not finite: "stop" the run there (nothing of it is
   # saved), or "skip" it (no update) at most max_nonfinite_skips times.
   c.on_nonfinite = "stop"

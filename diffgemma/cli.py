@@ -68,14 +68,19 @@ def load_module(path: str):
   return module
 
 
-def fail(message: str, code: int = 2, on_every_process: bool = False):
+def fail(message: str, code: int = 2, on_every_process: bool = False,
+         leave_threads: bool = False):
   """Print the one line and exit with `code`. `on_every_process`: in a multi-process run, every
-  process raises this error at the same point (errors.on_every_process)."""
+  process raises this error at the same point (errors.on_every_process). `leave_threads`: end
+  the process without joining its other threads (errors.leave_threads)."""
   errors.print_error(message)
   from diffgemma.runs import distributed  # local: a leaf for flag parsing
 
   if distributed.is_multi_process():
     distributed.exit_now(code, on_every_process)  # the others learn it; no shutdown barrier
+  if leave_threads:
+    sys.stdout.flush()
+    os._exit(code)
   sys.exit(code)
 
 
@@ -381,16 +386,17 @@ def run(main, argv=None, sections: tuple[str, ...] = ()):
       raise
   except UserError as e:
     _quiet_exit()
-    fail(errors.one_line(e), on_every_process=errors.raised_on_every_process(e))
+    fail(errors.one_line(e), on_every_process=errors.raised_on_every_process(e),
+         leave_threads=errors.threads_left(e))
   except errors.RunStopped as e:
-    fail(errors.one_line(e), code=3)
+    fail(errors.one_line(e), code=3, leave_threads=errors.threads_left(e))
   except MemoryError as e:  # numpy's message names the array's size and shape
     _quiet_exit()
     fail(f"out of host memory ({errors.one_line(e)}): lower batch_size, the model's size or "
          "the data layout")
-  except KeyboardInterrupt:
+  except KeyboardInterrupt as e:
     _quiet_exit()
-    fail("interrupted", code=130)
+    fail("interrupted", code=130, leave_threads=errors.threads_left(e))
   except BaseException:
     if not distributed.is_multi_process():
       raise

@@ -48,6 +48,18 @@ def raised_on_every_process(e: BaseException) -> bool:
   return getattr(e, "raised_on_every_process", False)
 
 
+def leave_threads(e: BaseException) -> BaseException:
+  """`e`, marked as an error after which the process ends without joining its other threads: a
+  library's thread is stuck (a checkpoint write that hung), and the interpreter's exit would
+  wait for it forever."""
+  e.leave_threads = True
+  return e
+
+
+def threads_left(e: BaseException) -> bool:
+  return getattr(e, "leave_threads", False)
+
+
 def one_line(e: BaseException) -> str:
   """The one line a user sees for `e`: its message's first line (a KeyError's key without the
   quotes repr adds), or the exception's type when it has no message."""

@@ -1,7 +1,7 @@
 """One process of a multi-process run with a fault planted, for tests/test_host_failures.py.
 
   python -m tests.host_faults --marks=DIR [--pause_step=N] [--pause_save=S] [--full_disk_save=S] \
-      -- train.py FLAGS...
+      [--fail_write=S | --hang_write=S | --fill_disk_write=S] -- train.py FLAGS...
 
 Every process of those tests runs through it (SIGUSR1 prints its threads' stacks, for a test
 that timed out). It patches the code below (nothing in diffgemma/ knows of it) and runs the script as
@@ -18,6 +18,14 @@ test sends its signal at a known place instead of racing a tiny model's millisec
                       its directory. (Raised in orbax's background array write instead, the
                       error leaves every process waiting in orbax's collectives, all of them
                       alive and beating: a hang these tests do not cover yet.)
+
+Faults of orbax's background write (single-process runs too, tests/test_reliability.py), at the
+first array write of checkpoint step S; each writes time.monotonic() of the fault to
+DIR/write-fault-at:
+  --fail_write=S       raise OSError(EIO) inside the write;
+  --hang_write=S       never return (a hung file system);
+  --fill_disk_write=S  fill the file system holding DIR (DIR/filler) first, then write: the
+                       write fails with ENOSPC, as on a disk filled by something else.
 """
 
 import argparse
@@ -95,12 +103,47 @@ def full_disk_at_save(step: int, marks: str) -> None:
   ocp.CheckpointManager.save = saving
 
 
+def at_write_fault(marks: str) -> None:
+  with open(os.path.join(marks, "write-fault-at"), "w") as f:
+    f.write(repr(time.monotonic()))
+
+
+def fill_disk(path: str) -> None:
+  """Write `path` until the file system is full."""
+  block = b"\0" * (1 << 16)
+  with open(path, "wb", buffering=0) as f:
+    while True:
+      try:
+        f.write(block)
+      except OSError as e:
+        if e.errno != errno.ENOSPC:
+          raise
+        if len(block) == 1:
+          return
+        block = block[:len(block) // 16]
+
+
+def write_fault(kind: str, marks: str):
+  async def fault():
+    at_write_fault(marks)
+    if kind == "fail":
+      raise OSError(errno.EIO, "injected I/O error")
+    if kind == "hang":
+      while True:
+        await asyncio.sleep(3600)
+    fill_disk(os.path.join(marks, "filler"))
+
+  return fault
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--marks", required=True)
   parser.add_argument("--pause_step", type=int)
   parser.add_argument("--pause_save", type=int)
   parser.add_argument("--full_disk_save", type=int)
+  for kind in ("fail", "hang", "fill_disk"):
+    parser.add_argument(f"--{kind}_write", type=int)
   parser.add_argument("command", nargs="+")
   args = parser.parse_args()
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test's timeout shows the stacks
@@ -115,6 +158,9 @@ def main() -> None:
     on_first_write_of(args.pause_save, pause)
   if args.full_disk_save is not None:
     full_disk_at_save(args.full_disk_save, args.marks)
+  for kind in ("fail", "hang", "fill_disk"):
+    if getattr(args, f"{kind}_write") is not None:
+      on_first_write_of(getattr(args, f"{kind}_write"), write_fault(kind, args.marks))
   sys.argv = args.command
   runpy.run_path(args.command[0], run_name="__main__")
 

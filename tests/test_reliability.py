@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -268,6 +269,102 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_ends_equal(referenc
   assert checkpointing.steps_on_disk(workdir) == [2]
   loop.train(config_of_run(), workdir)
   assert_bitwise_equal(workdir, reference)
+
+
+# Faults of orbax's background write, planted by tests/host_faults.py in a train.py run whose
+# write of step 4 fails; the rerun resumes from step 2. Bounds, from the fault to the exit: a
+# failure is seen after the step in flight ends (check_write), a hang once orbax's own timeout
+# (checkpoint_timeout_s from its thread's start) or the wait's margin passes; EXIT_SLACK_S covers
+# that step, the error path and the interpreter's exit on a loaded 2-core machine.
+WRITE_TIMEOUT_S = 2
+EXIT_SLACK_S = 10
+PROGRESS = re.compile(r"^sft: +\d+%")
+
+
+def _run_with_write_fault(workdir, marks, fault):
+  """train.py with `fault` (a tests/host_faults.py flag) in the write of step 4: (exit status,
+  stderr lines without the progress bar, seconds from the fault to the exit)."""
+  os.makedirs(marks, exist_ok=True)
+  proc, log = start([sys.executable, "-m", "tests.host_faults", f"--marks={marks}",
+                     f"{fault}=4", "--", *train_cmd(workdir)[1:],
+                     f"--config.checkpoint_timeout_s={WRITE_TIMEOUT_S}"],
+                    os.path.join(marks, "log"))
+  try:
+    status = proc.wait(timeout=300)
+  finally:
+    proc.kill()
+    log.close()
+  ended = time.monotonic()
+  text = open(os.path.join(marks, "log")).read()
+  fault_at = os.path.join(marks, "write-fault-at")
+  assert os.path.exists(fault_at), text
+  lines = [l for l in text.splitlines() if l.startswith("error:") or "Traceback" in l]
+  return status, lines, ended - float(open(fault_at).read())
+
+
+def _assert_write_failure_ends_in_one_line(workdir, marks, fault, reason, bound_s, capsys):
+  status, lines, took = _run_with_write_fault(workdir, marks, fault)
+  with capsys.disabled():
+    print(f"{fault}: time to stop {took:.1f} s (bound {bound_s} s)")
+  directory = checkpointing.checkpoint_dir(workdir)
+  assert (status, lines) == (2, [
+      f"error: could not write checkpoint step 4 in {directory}: {reason}; the last complete "
+      "checkpoint is step 2; fix the cause and rerun the same command to resume"])
+  assert took < bound_s, f"{took:.1f} s, bound {bound_s} s"
+  assert checkpointing.steps_on_disk(workdir) == [2]  # the failed step's tmp dir is not a step
+
+
+def _assert_rerun_resumes_bitwise(workdir, reference, capsys):
+  capsys.readouterr()
+  loop.train(config_of_run(), workdir)
+  assert f"resumed from step 2 in {workdir}" in capsys.readouterr().out
+  assert_bitwise_equal(workdir, reference)
+  assert not _tmp_checkpoints(workdir)
+
+
+@pytest.mark.slow
+def test_a_failed_background_write_ends_in_one_line_and_the_rerun_ends_equal(
+    reference, tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  _assert_write_failure_ends_in_one_line(workdir, str(tmp_path / "marks"), "--fail_write",
+                                         "injected I/O error", EXIT_SLACK_S, capsys)
+  _assert_rerun_resumes_bitwise(workdir, reference, capsys)
+
+
+@pytest.mark.slow
+def test_a_hung_background_write_ends_within_its_timeout(reference, tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  _assert_write_failure_ends_in_one_line(
+      workdir, str(tmp_path / "marks"), "--hang_write",
+      f"the write did not finish within checkpoint_timeout_s={WRITE_TIMEOUT_S} s (a hung or "
+      "overloaded file system; raise the key if writes are just slow)",
+      WRITE_TIMEOUT_S + checkpointing.TIMEOUT_MARGIN_S + EXIT_SLACK_S, capsys)
+  _assert_rerun_resumes_bitwise(workdir, reference, capsys)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+  """A 16 MiB tmpfs (the run's checkpoints take under 1 MiB) mounted at tmp_path/small."""
+  path = tmp_path / "small"
+  path.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+  if mounted.returncode != 0:
+    pytest.skip(f"cannot mount a tmpfs here (root needed): {mounted.stderr.strip()}")
+  yield path
+  subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_a_disk_filled_during_a_background_write_ends_in_one_line(reference, small_filesystem,
+                                                                  capsys):
+  """The file system fills up (another writer) as step 4's arrays are written: the write fails
+  with ENOSPC in orbax's background write, which the save's start did not see."""
+  workdir, marks = str(small_filesystem / "run"), str(small_filesystem / "marks")
+  _assert_write_failure_ends_in_one_line(workdir, marks, "--fill_disk_write",
+                                         checkpointing.DISK_FULL, EXIT_SLACK_S, capsys)
+  os.remove(os.path.join(marks, "filler"))
+  _assert_rerun_resumes_bitwise(workdir, reference, capsys)
 
 
 def test_config_json_writes_are_atomic_and_fail_in_one_line(tmp_path, monkeypatch):

@@ -10,7 +10,11 @@ deleted), tensorboard/ (event files).
 Three guards keep the last good checkpoint good:
   * `save` refuses a state holding NaN or inf (one on-device reduction per save), so a
     diverged run never replaces finite checkpoints with non-finite ones;
-  * a failed write (disk full, I/O error) ends in one line naming the last complete step;
+  * a failed write (disk full, I/O error), as the save starts or in orbax's background write,
+    ends in one line naming the step and the last complete one; a background write that has not
+    finished `timeout_s` after it started (a hung file system) is a failed write. Nothing waits
+    on a write without that bound: the next save, the close, and `check_write` (the loop calls
+    it after every step, so a failure ends the run at the first step that ends after it);
   * `restore_latest` falls back from an unreadable newest step to the newest readable one.
 """
 
@@ -20,6 +24,7 @@ import contextlib
 import errno
 import gc
 import json
+import math
 import os
 import re
 import sys
@@ -35,10 +40,21 @@ from diffgemma import errors
 from diffgemma.runs import distributed
 
 DAMAGED_DIR = "damaged_checkpoints"
+# The default bound on a checkpoint's background write (config key checkpoint_timeout_s): ten
+# minutes, 250 times the 2.4 s the default Sudoku recipe's write takes on a 2-core Xeon
+# (benchmarks/RESULTS.md), and a 60 GB state at 100 MB/s; past it, a run whose file system hung
+# ends in one line instead of waiting without a word.
+DEFAULT_TIMEOUT_S = 600.0
 CONFIG_FILE = "config.json"
 # Characters of a library error message kept in a one-line notice.
 ERROR_TEXT_CHARS = 160
 DISK_FULL = "disk full (No space left on device)"
+# How often a bounded wait looks at the write in flight.
+WAIT_POLL_S = 0.05
+# Past a write's timeout, before the wait gives up on it itself: orbax's own timeout (the same
+# `timeout_s`, from its background thread's start) fails the write first, and its finalizing
+# barriers need a moment to unwind.
+TIMEOUT_MARGIN_S = 5.0
 
 
 class CheckpointError(errors.InputError, FileNotFoundError):
@@ -64,13 +80,30 @@ def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
-def manager(workdir: str, keep: int | None = None, read_only: bool = False):
-  """An orbax CheckpointManager of the workdir's checkpoints/. A writer (holding the workdir's
-  lock) also clears the temporary directories of interrupted saves."""
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                         read_only=read_only,
-                                         cleanup_tmp_directories=not read_only)
-  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+class Manager(ocp.CheckpointManager):
+  """orbax's CheckpointManager, knowing its write timeout and when its unwaited save started.
+
+  timeout_s: the longest a save's background write may take (seconds); orbax fails the write
+    past it (its commit futures and barriers), and `_wait_for_write` gives up on it soon after.
+  write_started: time.monotonic() when the save not yet waited on started, else None.
+  hung: a write timed out and may still hold orbax's threads (the process cannot join them).
+  """
+
+  def __init__(self, directory: str, options, timeout_s: float):
+    super().__init__(directory, options=options)
+    self.timeout_s, self.write_started, self.hung = timeout_s, None, False
+
+
+def manager(workdir: str, keep: int | None = None, read_only: bool = False,
+            timeout_s: float = DEFAULT_TIMEOUT_S) -> Manager:
+  """An orbax CheckpointManager of the workdir's checkpoints/, its background writes bounded by
+  `timeout_s`. A writer (holding the workdir's lock) also clears the temporary directories of
+  interrupted saves."""
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=not read_only, read_only=read_only,
+      cleanup_tmp_directories=not read_only,
+      async_options=ocp.AsyncOptions(timeout_secs=max(1, math.ceil(timeout_s))))
+  return Manager(checkpoint_dir(workdir), options, timeout_s)
 
 
 # ----------------------------------------------------------------------------- config files
@@ -194,12 +227,13 @@ def _workdir_of(mngr) -> str:
   return os.path.dirname(os.fspath(mngr.directory))
 
 
-def save(mngr, step: int, state) -> None:
-  """Start an asynchronous save of `state` as `step`.
+def save(mngr: Manager, step: int, state) -> None:
+  """Start an asynchronous save of `state` as `step`, once the save before it has finished (at
+  most its timeout later).
 
   Refuses (NonFiniteStateError) a state with any NaN or inf: nothing is written, so the finite
-  checkpoints stay, and none is deleted to keep `keep_checkpoints`. Write failures end in a
-  CheckpointWriteError naming the last complete step.
+  checkpoints stay, and none is deleted to keep `keep_checkpoints`. Write failures (this one's
+  start, or the save before it) end in a CheckpointWriteError naming the last complete step.
   """
   workdir = _workdir_of(mngr)
   bad = non_finite_leaves(state)
@@ -210,20 +244,61 @@ def save(mngr, step: int, state) -> None:
         f"refusing to save step {step}: {len(bad)} arrays hold NaN or inf (first "
         f"{bad[0]}); the run diverged. Last finite checkpoint: "
         + (f"step {last} in {checkpoint_dir(workdir)}" if last is not None else "none"))
+  _wait_for_write(mngr)
+  began = time.monotonic()
   with _write_errors(mngr, step):
     mngr.save(step, args=ocp.args.StandardSave(state))
+  mngr.write_started = began  # after a failed start there is no background write to wait for
 
 
-def finish(mngr, failed: bool = False) -> None:
-  """Wait for pending saves and close the manager. With `failed` (an error is already on its
-  way out), a second write error is dropped so the first one is what the user sees."""
+def check_write(mngr: Manager) -> None:
+  """Without waiting: raise the CheckpointWriteError of a background write that failed, or that
+  is still going `mngr.timeout_s` (plus TIMEOUT_MARGIN_S) after it started. One lock read while
+  a write is in flight, nothing when none is; no device sync."""
+  if mngr.write_started is None:
+    return
+  if not mngr.is_saving_in_progress() or _past_deadline(mngr):
+    _wait_for_write(mngr)
+
+
+def finish(mngr: Manager, failed: BaseException | bool | None = None) -> None:
+  """Wait for the pending save (at most its timeout) and close the manager. With `failed` (the
+  error already on its way out), a second write error is dropped so the first one is what the
+  user sees; if the write hung, that error is marked to end the process without joining
+  orbax's stuck threads (errors.leave_threads)."""
   try:
+    _wait_for_write(mngr)
     with _write_errors(mngr):
-      mngr.wait_until_finished()
       mngr.close()
   except CheckpointWriteError:
     if not failed:
       raise
+    if mngr.hung and isinstance(failed, BaseException):
+      errors.leave_threads(failed)
+
+
+def _past_deadline(mngr: Manager) -> bool:
+  return time.monotonic() > mngr.write_started + mngr.timeout_s + TIMEOUT_MARGIN_S
+
+
+def _wait_for_write(mngr: Manager) -> None:
+  """Wait for the save in flight, if any, until it ends or its deadline passes; its failure, or
+  the deadline, is a CheckpointWriteError."""
+  if mngr.write_started is None:
+    return
+  while mngr.is_saving_in_progress():  # orbax's flag: False once its finalize thread ended
+    if _past_deadline(mngr):
+      mngr.hung = True
+      raise _write_error(mngr, None, _timed_out(mngr))
+    time.sleep(WAIT_POLL_S)
+  mngr.write_started = None
+  with _write_errors(mngr):
+    mngr.wait_until_finished()  # returns at once: it raises the write's failure, if any
+
+
+def _timed_out(mngr: Manager) -> str:
+  return (f"the write did not finish within checkpoint_timeout_s={mngr.timeout_s:g} s (a hung "
+          "or overloaded file system; raise the key if writes are just slow)")
 
 
 def describe_os_error(e: BaseException) -> str:
@@ -244,18 +319,19 @@ def _short(e: BaseException) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _settle(mngr) -> None:
-  """Let the saves still in flight finish (or fail) before naming the last complete step."""
+def _settle(mngr: Manager) -> None:
+  """Let the save still in flight finish (or fail, or time out) before naming the last complete
+  step."""
   try:
-    mngr.wait_until_finished()
-  except Exception:  # noqa: BLE001 -- its own failure is reported by whoever waits next
+    _wait_for_write(mngr)
+  except CheckpointWriteError:  # reported by whoever waits next (the close)
     pass
 
 
 class _write_errors:
   """Turn any failure of an orbax write into one CheckpointWriteError line."""
 
-  def __init__(self, mngr, step: int | None = None):
+  def __init__(self, mngr: Manager, step: int | None = None):
     self.mngr, self.step = mngr, step
 
   def __enter__(self):
@@ -264,25 +340,37 @@ class _write_errors:
   def __exit__(self, kind, e, tb):
     if e is None or not isinstance(e, Exception) or isinstance(e, CheckpointError):
       return False
-    workdir = _workdir_of(self.mngr)
-    directory = checkpoint_dir(workdir)
-    pending = sorted({int(m) for m in re.findall(r"/(\d+)\.orbax-checkpoint-tmp", str(e))}
-                     or {int(n.split(".")[0]) for n in _listdir(directory)
-                         if ".orbax-checkpoint-tmp" in n and n.split(".")[0].isdigit()})
-    step = pending[-1] if pending else self.step
-    what = f"checkpoint step {step}" if step is not None else "a checkpoint"
-    _settle(self.mngr)
-    reason = describe_os_error(e)
-    if reason != DISK_FULL:
-      # A multi-process save is collective: a peer killed mid-save fails it here ("Connection
-      # reset by peer"); the watchdog names the lost peer then, which is the line to print. A
-      # full disk is this process's own failure: no peer to wait for.
-      distributed.wait_for_lost()
-    last = latest_step(workdir)
-    raise CheckpointWriteError(
-        f"could not write {what} in {directory}: {reason}; the last complete "
-        "checkpoint is " + (f"step {last}" if last is not None else "none")
-        + "; fix the cause and rerun the same command to resume") from None
+    if isinstance(e, TimeoutError):  # orbax's own timeout (its commit futures, its barriers)
+      self.mngr.hung = True
+      raise _write_error(self.mngr, self.step, _timed_out(self.mngr), str(e)) from None
+    raise _write_error(self.mngr, self.step, describe_os_error(e), str(e)) from None
+
+
+def _write_error(mngr: Manager, step: int | None, reason: str,
+                 text: str = "") -> CheckpointWriteError:
+  """The one line of a failed write of `step` (else the step whose temporary directory is
+  there, named in `text` or on disk): the reason, the last complete step, what to do. A write
+  that hung leaves orbax's threads stuck: the error says the process must not wait for them."""
+  workdir = _workdir_of(mngr)
+  directory = checkpoint_dir(workdir)
+  pending = sorted({int(m) for m in re.findall(r"/(\d+)\.orbax-checkpoint-tmp", text)}
+                   or {int(n.split(".")[0]) for n in _listdir(directory)
+                       if ".orbax-checkpoint-tmp" in n and n.split(".")[0].isdigit()})
+  step = pending[-1] if pending else step
+  what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+  if not mngr.hung:
+    _settle(mngr)
+  if reason != DISK_FULL:
+    # A multi-process save is collective: a peer killed mid-save fails it here ("Connection
+    # reset by peer"); the watchdog names the lost peer then, which is the line to print. A
+    # full disk is this process's own failure: no peer to wait for.
+    distributed.wait_for_lost()
+  last = latest_step(workdir)
+  error = CheckpointWriteError(
+      f"could not write {what} in {directory}: {reason}; the last complete "
+      "checkpoint is " + (f"step {last}" if last is not None else "none")
+      + "; fix the cause and rerun the same command to resume")
+  return errors.leave_threads(error) if mngr.hung else error
 
 
 def _listdir(path: str) -> list[str]:

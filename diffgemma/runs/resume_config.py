@@ -41,6 +41,7 @@ HISTORY_FILE = "config_history.json"
 SAFE_KEYS = (
     "num_train_steps",  # longer or shorter run (see the module docstring: the LR schedule)
     "max_train_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
+    "checkpoint_timeout_s",
     "eval.*",  # cadence, size and batch of the periodic evaluation
     "sampler.*",  # the evaluation sampler (SD·RL's rollouts use sdrl.rollout_sampler)
     "data.num_threads", "data.prefetch",  # loader parallelism: the same batches

@@ -136,7 +136,12 @@ class SamplerConfig:
       raise ValueError("sampler.max_same_token_per_step must be >= 0 (0 = no limit)")
     if self.max_same_token_per_step and self.mode != DIFFUSION:
       raise ValueError("max_same_token_per_step applies to mode='diffusion'")
-    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+    try:
+      ids = tuple(int(i) for i in self.stop_token_ids)
+    except (TypeError, ValueError):
+      raise ValueError(f"stop_token_ids must be token ids (integers), got "
+                       f"{self.stop_token_ids!r}") from None
+    object.__setattr__(self, "stop_token_ids", ids)
 
   def replace(self, **kwargs: Any) -> "SamplerConfig":
     return dataclasses.replace(self, **kwargs)

@@ -186,9 +186,9 @@ def _check_finite(state, train_cfg: run_config.TrainConfig, mngr) -> int:
   return count
 
 
-def _close(bar, mngr, writer, failed: bool = False) -> None:
+def _close(bar, mngr, writer, failed: BaseException | None = None) -> None:
   """The progress bar, pending checkpoint writes (their failure is one line), TensorBoard. With
-  `failed` (an error is already on its way out) a second error is dropped."""
+  `failed` (the error already on its way out) a second error is dropped."""
   bar.close()
   checkpointing.finish(mngr, failed=failed)
   try:
@@ -357,8 +357,8 @@ def _fit_schedule(clock: _StepClock, step: int, end_time: float, train_cfg, eval
                             num_train_steps=count, **fields), evaluated
 
 
-def _save_and_wait(workdir: str, step: int, state) -> None:
-  mngr = checkpointing.manager(workdir, keep=1)
+def _save_and_wait(workdir: str, step: int, state, timeout_s: float) -> None:
+  mngr = checkpointing.manager(workdir, keep=1, timeout_s=timeout_s)
   checkpointing.save(mngr, step, state)
   checkpointing.finish(mngr)
 
@@ -412,7 +412,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   refits = (_Refits(decisions, start_step, provenance.budget_fit(workdir) or {}, may_extend=False)
             if decisions and not fitting else None)
   # After the restore: a checkpoint moved aside is not one of the manager's steps.
-  mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints)
+  mngr = checkpointing.manager(workdir, keep=train_cfg.keep_checkpoints,
+                               timeout_s=train_cfg.checkpoint_timeout_s)
   model_cfg, lora_cfg = setup.model_cfg, setup.lora_cfg
   trained = sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))
   if frozen is None:
@@ -491,6 +492,7 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
       step += 1
       window_steps += 1
       bar.update(1)
+      checkpointing.check_write(mngr)  # a failed or hung background write ends the run now
       if clock is not None:
         clock.stepped(step, state)
       final = step == train_cfg.num_train_steps and not fitting
@@ -543,7 +545,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
         calibration, evaluated = _fit_schedule(
             clock, step, end_time, train_cfg, eval_cfg.every_steps if eval_prompts else 0,
             evaluate_now if eval_prompts is not None else None,
-            lambda scratch: _save_and_wait(scratch, step, state), workdir)
+            lambda scratch: _save_and_wait(scratch, step, state,
+                                           train_cfg.checkpoint_timeout_s), workdir)
         last.update(evaluated)
         fitting, clock = False, None
         decision = (step, calibration.num_train_steps)
@@ -569,8 +572,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
           tqdm.write(refit.describe() if refit is not None else
                      f"step {step}: num_train_steps {before} -> {count} (recorded in config.json)")
           window_clean = False  # the next step compiles
-  except BaseException:  # the loop's own error is the one the user sees
-    _close(bar, mngr, writer, failed=True)
+  except BaseException as e:  # the loop's own error is the one the user sees
+    _close(bar, mngr, writer, failed=e)
     raise
   _close(bar, mngr, writer)  # the checkpoint at `step` is complete
   preempted = stop.startswith(provenance.PREEMPTED)

@@ -12,12 +12,14 @@ it, at the same entry point.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ml_collections
 
 from diffgemma.model import fields, lora, quantize, sharding
 from diffgemma.model.config import DTYPES, ModelConfig
+from diffgemma.runs import checkpointing
 from diffgemma.sampling import sampler
 from diffgemma.training import budget, losses, optimizer
 
@@ -31,6 +33,9 @@ INT_LIMIT = 2**31 - 1
 class TrainConfig:
   """The training loop's knobs (top-level keys of a config).
 
+  checkpoint_timeout_s: the longest a checkpoint's background write may take (seconds): past
+    it the run ends in one line naming the step (runs.checkpointing.DEFAULT_TIMEOUT_S says why
+    the default is what it is).
   on_nonfinite: "stop" ends the run at the first step whose loss or gradient norm is not
     finite (nothing of it is applied or saved); "skip" leaves the parameters and optimizer state
     of such a step unchanged and goes on, at most `max_nonfinite_skips` times in a run.
@@ -45,6 +50,7 @@ class TrainConfig:
   log_every: int = 20
   checkpoint_every: int = 250
   keep_checkpoints: int = 2
+  checkpoint_timeout_s: float = checkpointing.DEFAULT_TIMEOUT_S
   freeze_router: bool = False
   on_nonfinite: str = "stop"
   max_nonfinite_skips: int = 10
@@ -84,6 +90,9 @@ class TrainConfig:
     if self.on_nonfinite not in NONFINITE_POLICIES:
       raise ValueError(f"unknown on_nonfinite {self.on_nonfinite!r}; choose one of "
                        f"{NONFINITE_POLICIES}")
+    if not 0 < self.checkpoint_timeout_s < math.inf:
+      raise ValueError(f"checkpoint_timeout_s must be a positive number of seconds, got "
+                       f"{self.checkpoint_timeout_s}")
     if self.max_nonfinite_skips < 0:
       raise ValueError(f"max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}")
     if self.device_memory_gib <= 0:
