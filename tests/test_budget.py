@@ -7,6 +7,7 @@ uninterrupted fitted run (bitwise)."""
 import json
 import os
 import time
+import types
 
 import jax
 import numpy as np
@@ -202,13 +203,20 @@ def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tm
 ])
 def test_a_refit_at_the_first_evaluation_follows_the_pace_since_the_calibration(
     tmp_path, monkeypatch, slow_steps, reason):
-  """Steps slowed by 0.2 s (a busy core) during the calibration (at the warmup's end, step 4,
-  or earlier once it has used its share of the budget) fit a short schedule; the re-fit at the first evaluation (step 12) takes the fastest windows since, and
-  lengthens it. Slowed after a fast calibration, the re-fit shortens it. Either is recorded
-  in config.json (`fitted_schedule`, the new count) and run_info.json."""
+  """Steps slowed by 1 s (a busy core) during the calibration (at the warmup's end, step 4,
+  or earlier once it has used its share of the budget) fit a short schedule; the re-fit at the
+  first evaluation (step 12) takes the fastest windows since, and lengthens it. Slowed after a
+  fast calibration, the re-fit shortens it. Either is recorded in config.json
+  (`fitted_schedule`, the new count) and run_info.json.
+
+  The slow-down is a jump of the loop's clock, not a sleep: a tiny model's step takes
+  milliseconds, and on a loaded machine their real jitter would decide the re-fit."""
   from diffgemma.training import update_step
 
-  done, make = [0], update_step.make_update_step
+  done, make, skew = [0], update_step.make_update_step, [0.0]
+  clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew[0],
+                                time=lambda: time.time() + skew[0], sleep=time.sleep,
+                                monotonic=lambda: time.monotonic() + skew[0])
 
   def slowed(*args, **kwargs):
     step_fn = make(*args, **kwargs)
@@ -218,12 +226,13 @@ def test_a_refit_at_the_first_evaluation_follows_the_pace_since_the_calibration(
       done[0] += 1
       if done[0] in slow_steps:
         jax.block_until_ready(out)
-        time.sleep(0.2)
+        skew[0] += 1.0
       return out
 
     return step
 
   monkeypatch.setattr(update_step, "make_update_step", slowed)
+  monkeypatch.setattr(loop, "time", clock)
   config = tiny_sudoku_config(workdir_steps=0)
   config.max_train_minutes = 1.0
   config.optimizer.warmup_steps = 4
