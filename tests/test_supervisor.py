@@ -3,9 +3,13 @@ of the child's stderr, and its end, on children that print what a real one would
 started; tests/test_host_failures.py runs the real runs)."""
 
 import io
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+
+import pytest
 
 from diffgemma.runs import distributed, supervisor
 
@@ -81,7 +85,7 @@ def test_a_cpp_log_line_is_held_then_passed_and_a_progress_bar_is_not_held():
 
 
 def test_jax_fatal_block_is_dropped_whole():
-  for size in (1, 50, len(JAX_FATAL)):
+  for size in (3, 50, len(JAX_FATAL)):
     chunks = [PROGRESS] + [JAX_FATAL[i:i + size] for i in range(0, len(JAX_FATAL), size)]
     out, fatal_filter = filtered(chunks + [b"Fatal Python error: Aborted\n"])
     assert out == PROGRESS
@@ -151,5 +155,46 @@ def test_supervisor_passes_a_signal_on_to_the_child():
   """)
   proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
   assert proc.stdout.readline() == "ready\n"
-  proc.send_signal(subprocess.signal.SIGTERM)
+  proc.send_signal(signal.SIGTERM)
   assert (proc.communicate(timeout=30)[0], proc.returncode) == ("SIGTERM 1\n", 0)
+
+
+def state(pid):
+  """A process's state letter from /proc ("T": stopped), or None once it is gone."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      return f.read().rpartition(b")")[2].split()[0].decode()
+  except (OSError, IndexError):
+    return None
+
+
+def wait_until(predicate, timeout_s=10):
+  deadline = time.monotonic() + timeout_s
+  while not predicate():
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and the parent-death "
+                    "signal are Linux's")
+def test_the_child_stops_continues_and_ends_with_its_supervisor():
+  script = textwrap.dedent("""
+      import os, sys, time
+      from diffgemma.runs import supervisor
+      if not supervisor.follow_supervisor():
+        sys.exit(supervisor.supervise([sys.executable, *sys.orig_argv[1:]], None, 4))
+      print(os.getpid(), flush=True)
+      time.sleep(60)
+  """)
+  proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+  try:
+    child = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGSTOP)
+    wait_until(lambda: state(child) == "T")
+    proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: state(child) not in ("T", None))
+    proc.kill()
+    wait_until(lambda: state(child) in ("Z", None))
+  finally:
+    proc.kill()
+    proc.communicate()

@@ -205,19 +205,31 @@ def supervise(command: list[str], fatal_line: Callable[[dict, bytes], str], fata
   child_env = dict(os.environ if env is None else env)
   child_env[ENV_SUPERVISOR] = f"{report_write}:{os.getpid()}"
   interactive = os.isatty(0)  # the child, in its own group, must not read the terminal
-  child = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, pass_fds=(report_write,),
-                           stdin=subprocess.DEVNULL if interactive else None,
-                           process_group=0)
-  os.close(report_write)
+  started, pending = [], []  # the child once started; the signals that came before
 
   def forward(signum, frame):
     del frame
+    if not started:
+      pending.append(signum)
+      return
+    child = started[0]
     if child.poll() is None:
       child.send_signal(signum)
+    if signum == signal.SIGCONT:  # again, once the child has surely seen this process stopped
+      threading.Timer(2 * FOLLOW_S, lambda: child.poll() is None and child.send_signal(
+          signal.SIGCONT)).start()
 
-  previous = {s: signal.signal(s, forward) for s in FORWARDED}
+  in_main_thread = threading.current_thread() is threading.main_thread()  # handlers go there
+  previous = {s: signal.signal(s, forward) for s in FORWARDED} if in_main_thread else {}
   try:
+    child = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, pass_fds=(report_write,),
+                             stdin=subprocess.DEVNULL if interactive else None,
+                             process_group=0)
+    os.close(report_write)
+    started.append(child)
+    for signum in pending:
+      forward(signum, None)
     told, filtered = _pump(child, report_read, stdout, stderr)
     status = child.wait()
   finally:
