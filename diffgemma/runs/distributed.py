@@ -103,8 +103,8 @@ def define_flags() -> None:
       "process_id", None, f"This process's index, 0..num_processes-1 (env {ENV_PROCESS_ID}).")
   flags.DEFINE_integer(
       "heartbeat_timeout_s", DEFAULT_HEARTBEAT_TIMEOUT_S, "A multi-process run stops (every "
-      "process, with one line naming the lost one) when a process has not been heard from "
-      "for this many seconds.")
+      "process, with one line naming the lost one) when a process has not been heard from, "
+      "or the coordinator has not answered, for this many seconds.")
 
 
 def _jax():
