@@ -5,7 +5,8 @@
 
 Every process of those tests runs through it (SIGUSR1 prints its threads' stacks, for a test
 that timed out). It patches the code below (nothing in diffgemma/ knows of it) and runs the script as
-`python train.py FLAGS...` would. The faults, each at one point of this process's run, so a
+`python train.py FLAGS...` would; the supervised child of a multi-process run
+(diffgemma/runs/supervisor.py) runs this same command line, so the faults are the child's. The faults, each at one point of this process's run, so a
 test sends its signal at a known place instead of racing a tiny model's millisecond steps:
 
   --pause_step=N      the N-th call of the training step function (counted from 1 in this
@@ -42,7 +43,9 @@ POLL_S = 0.01
 
 
 def mark(marks: str, what: str) -> None:
-  with open(os.path.join(marks, f"{what}-{os.environ['DIFFGEMMA_PROCESS_ID']}"), "w"):
+  # The process index as scripts/launch_local.py sets it, or as SLURM does (a cluster's launch).
+  index = os.environ.get("DIFFGEMMA_PROCESS_ID", os.environ.get("SLURM_PROCID"))
+  with open(os.path.join(marks, f"{what}-{index}"), "w"):
     pass
 
 

@@ -2,10 +2,13 @@
 
 Two processes (one simulated CPU device each, gloo) train the tests' tiny Sudoku model, one
 checkpoint per step. Each case plants its fault at a known point through tests/host_faults.py
-(a wrapper that patches the step function or orbax's save, then runs train.py), then
-checks, on every process that survives: its exit status, its one line (naming the lost process
-and the last complete checkpoint, or the stop's checkpoint), and the time from the fault to the
-last exit against the case's bound.
+(a wrapper that patches the step function or orbax's save, then runs train.py; each process is
+a supervisor and its child, diffgemma/runs/supervisor.py, and the signals go to the process the
+test started, the supervisor), then checks, on every process that survives: its exit status,
+its one line (naming the lost process and the last complete checkpoint, or the stop's
+checkpoint), and the time from the fault to the last exit against the case's bound. The
+processes learn who is who from scripts/launch_local.py's environment, or (one case) from
+SLURM's, with --distributed.
 
 The cases share one workdir, in the order below: each run resumes from the checkpoint the
 previous case's line named (asserted: "resumed from step N"), and the last test runs the same
@@ -13,9 +16,10 @@ command to the end and compares the state bitwise with an uninterrupted run. Run
 a case starts from the reference's step 2.
 
 Bounds (measured from the fault to the last survivor's exit): the watchdog names a silent
-process HEARTBEAT_S after its last beat; a process that failed on its own (its beat says so)
-or a coordinator whose service stopped answering is seen at once; MARGIN_S covers a beat
-interval and the exit. A stop signal costs the step in flight, a checkpoint and the close
+process HEARTBEAT_S after its last beat, and a stopped coordinator HEARTBEAT_S after the round
+trip it never answered began; a process that failed on its own (its beat says so) or a killed
+coordinator (JAX's client aborts on it, the supervisor says so) is seen at once; MARGIN_S
+covers a beat interval and the exit. A stop signal costs the step in flight, a checkpoint and the close
 (STOP_BOUND_S). Both hold with the processes on one core shared with other work.
 """
 
@@ -36,7 +40,7 @@ from tests.test_many_hosts import (PROGRESS, RUN_TIMEOUT_S, assert_same_state, e
 # optimised compiles per test.
 pytestmark = pytest.mark.slow
 
-STEPS = 14  # enough for the six cases, each one or two steps on from the last
+STEPS = 16  # enough for the eight cases, each up to three steps on from the last
 HEARTBEAT_S = 5  # the watchdog's timeout in these runs (--heartbeat_timeout_s)
 MARGIN_S = 8
 # A stop signal's end: the step in flight, its checkpoint, the close (the saves' barriers) and
@@ -69,7 +73,7 @@ def workdir(reference, tmp_path_factory):
 class Run:
   """Two processes of train.py on `workdir`, each with its faults (tests/host_faults.py)."""
 
-  def __init__(self, workdir, marks, faults=None):
+  def __init__(self, workdir, marks, faults=None, slurm=False):
     self.workdir, self.marks = workdir, str(marks)
     os.makedirs(self.marks, exist_ok=True)
     self.start = checkpointing.latest_step(workdir)
@@ -77,12 +81,13 @@ class Run:
     self.procs = []
     for index in range(2):
       command = ["train.py", *FLAGS, f"--workdir={workdir}",
-                 f"--heartbeat_timeout_s={HEARTBEAT_S}"]
+                 f"--heartbeat_timeout_s={HEARTBEAT_S}", *(["--distributed"] if slurm else [])]
       command = ["-m", "tests.host_faults", f"--marks={self.marks}",
                  *(faults or {}).get(index, ()), "--", *command]
       self.procs.append(subprocess.Popen(
           [sys.executable, *command], cwd=ROOT,
-          env=launcher.process_env(index, 2, 1, "cpu", f"localhost:{port}"),
+          env=slurm_env(index, port) if slurm else launcher.process_env(
+              index, 2, 1, "cpu", f"localhost:{port}"),
           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
   def wait_for(self, *names):
@@ -137,12 +142,22 @@ class Run:
         p.communicate()
 
 
+def slurm_env(index, port):
+  """Process `index`'s environment as SLURM sets it for a job of 2 nodes, one task each (JAX's
+  cluster detection reads it; the coordinator's port is fixed, as a job may set it)."""
+  env = launcher.process_env(index, 2, 1, "cpu", "")
+  for name in ("DIFFGEMMA_COORDINATOR", "DIFFGEMMA_NUM_PROCESSES", "DIFFGEMMA_PROCESS_ID"):
+    del env[name]
+  return dict(env, SLURM_JOB_ID="1", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+              SLURM_PROCID=str(index), SLURM_LOCALID="0", JAX_COORDINATOR_PORT=str(port))
+
+
 @pytest.fixture
 def run_with(workdir, tmp_path):
   runs = []
 
-  def start(faults=None):
-    runs.append(Run(workdir, tmp_path / "marks", faults))
+  def start(faults=None, slurm=False):
+    runs.append(Run(workdir, tmp_path / "marks", faults, slurm))
     return runs[-1]
 
   yield start
@@ -183,26 +198,45 @@ def test_a_full_disk_during_a_save_on_one_process_stops_both(workdir, run_with):
   assert checkpointing.latest_step(workdir) == start
 
 
-def test_the_coordinator_killed_ends_the_other_at_once(workdir, run_with):
-  """kill -9 to process 0 (the coordinator, whose key-value store every process uses) while it
-  waits in a step, once the step before is checkpointed: process 1 ends within MARGIN_S and the
-  checkpoint is the last complete one. Its end is JAX's (its client's poll of the lost
-  coordination service aborts the process with a multi-line fatal log), not our one line: JAX
-  0.10's client takes a callback for it but cannot hand it the status from Python
-  (std::bad_cast); xfail until one line comes out."""
-  start = checkpointing.latest_step(workdir)
-  run = run_with({0: ["--pause_step=2"]})
+def coordinator_lost(run, sig, bound_s, since_mark=None):
+  """`sig` to process 0 (the coordinator, whose key-value store every process uses) while it
+  waits in a step, once the step before is checkpointed: process 1 ends with the one line
+  naming process 0 and that checkpoint, exit 4, within `bound_s`."""
+  start = run.start
   run.wait_for("paused-0", str(start + 1))
-  run.signal(signal.SIGKILL, 0)
+  run.signal(sig, 0)
   since = time.monotonic()
-  ((status, _, lines),) = run.end([1], since, MARGIN_S)
+  ((status, _, lines),) = run.end([1], since, bound_s)
+  assert (status, lines) == (distributed.LOST_EXIT_CODE, [lost_line(
+      run.workdir, 0, 1, distributed.COORDINATOR_GONE, start + 1)])
+  assert checkpointing.latest_step(run.workdir) == start + 1
+  return start
+
+
+def test_the_coordinator_killed_ends_the_other_at_once(workdir, run_with):
+  """kill -9 to process 0: JAX's client in process 1 sees its coordination service gone and
+  aborts the child (a multi-line C++ fatal log); its supervisor prints the one line instead."""
+  run = run_with({0: ["--pause_step=2"]})
+  coordinator_lost(run, signal.SIGKILL, MARGIN_S)
   resumed_from(run, run.procs[0].communicate()[0])
-  assert checkpointing.latest_step(workdir) == start + 1
-  assert status != 0
-  if (status, lines) != (distributed.LOST_EXIT_CODE, [lost_line(
-      workdir, 0, 1, "is gone: its coordination service is unreachable (killed, stopped, "
-      "crashed, or its host is down)", start + 1)]):
-    pytest.xfail(f"JAX's own end (exit status {status}, {len(lines)} lines)")
+
+
+def test_the_coordinator_stopped_ends_the_other_after_the_heartbeat(workdir, run_with):
+  """SIGSTOP to process 0 (it never resumes; its child stops with it): its service answers
+  nothing, and process 1's watchdog names it HEARTBEAT_S after the round trip began."""
+  run = run_with({0: ["--pause_step=2"]})
+  coordinator_lost(run, signal.SIGSTOP, HEARTBEAT_S + MARGIN_S)
+  assert run.procs[0].poll() is None  # still stopped
+  run.procs[0].kill()  # its child ends with it
+  resumed_from(run, run.procs[0].communicate()[0])
+
+
+def test_the_coordinator_killed_in_a_slurm_launch_ends_the_other_at_once(workdir, run_with):
+  """The same kill in a run that learns who is who from SLURM's environment (--distributed):
+  the supervisor learns the index and process count from its child."""
+  run = run_with({0: ["--pause_step=2"]}, slurm=True)
+  coordinator_lost(run, signal.SIGKILL, MARGIN_S)
+  resumed_from(run, run.procs[0].communicate()[0])
 
 
 def test_a_stopped_peer_stops_the_other_in_one_line(workdir, run_with):

@@ -252,8 +252,8 @@ def test_a_killed_process_stops_the_other_and_a_rerun_resumes(reference, tmp_pat
   """A one-process run's checkpoint continues in 2 processes; one of them is killed (kill -9)
   mid-run; the other stops within the heartbeat timeout and LOST_MARGIN_S with one line naming
   it and the last complete checkpoint; a rerun resumes and ends where the uninterrupted run
-  ends. (tests/test_host_failures.py: the coordinator killed, a peer stopped, SIGTERM mid-step
-  and mid-save, a full disk.)"""
+  ends. (tests/test_host_failures.py: the coordinator killed or stopped, a peer stopped,
+  SIGTERM mid-step and mid-save, a full disk.)"""
   workdir = without_steps_after(reference, EVERY, tmp_path / "run")
   port = launcher.free_port()
   procs = [start_process(i, 2, port, workdir) for i in range(2)]

@@ -23,11 +23,16 @@ the single-host code. On CPUs the collectives go through gloo. What else this mo
               (killed, stopped, crashed, its machine gone) for `heartbeat_timeout_s`, or ends
               with an error, every other process prints one line naming it (and, in train.py,
               the last complete checkpoint: `resume_point`) and exits with LOST_EXIT_CODE: none
-              hangs on a collective. A rerun of the same command resumes from the last
-              complete checkpoint. The exception: when the coordinator's process itself dies,
-              JAX's client sees it first (its poll of the coordination service fails at once)
-              and aborts the process with its own multi-line fatal log; JAX 0.10's client takes
-              a callback for that, but cannot pass it the status from Python (std::bad_cast).
+              hangs on a collective. When the coordinator's service stops answering (a round
+              trip fails, or has not come back within `heartbeat_timeout_s`: the process
+              stopped), the line names process 0. A rerun of the same command resumes from the
+              last complete checkpoint.
+  supervisor  when process 0 itself dies, JAX's client in every other process sees it first
+              (its poll of the coordination service fails at once) and aborts the process in
+              C++, where no Python runs. So a multi-process run's process re-executes itself
+              before JAX starts (`initialize_from_flags`, diffgemma/runs/supervisor.py): the
+              parent passes the child's output and signals through, and turns JAX's fatal log
+              into the same one line (`COORDINATOR_GONE`) and exit status.
 
 The key-value store is the one `jax.distributed` starts on process 0 (JAX's own client; its
 Python handle is `jax._src.distributed.global_state.client`, used here and nowhere else).
@@ -48,6 +53,7 @@ import numpy as np
 from absl import flags
 
 from diffgemma import errors
+from diffgemma.runs import supervisor
 
 ENV_COORDINATOR = "DIFFGEMMA_COORDINATOR"
 ENV_NUM_PROCESSES = "DIFFGEMMA_NUM_PROCESSES"
@@ -71,6 +77,10 @@ DONE, FAILED, FAILED_ON_EVERY_PROCESS = "done", "failed", "failed-on-every-proce
 # way to the point where they raise it).
 SETTLE_S = 5.0
 JOIN_S = 10.0  # at exit, the longest wait for the watchdog's beat in flight to return
+# Why a process stops when the coordinator's service is gone (after "process 0 of N (the
+# coordinator)"): its round trip failed or never came back, or JAX's client aborted on it.
+COORDINATOR_GONE = ("is gone: its coordination service is unreachable (killed, stopped, crashed, "
+                    "or its host is down)")
 
 
 
@@ -93,8 +103,8 @@ def define_flags() -> None:
       "process_id", None, f"This process's index, 0..num_processes-1 (env {ENV_PROCESS_ID}).")
   flags.DEFINE_integer(
       "heartbeat_timeout_s", DEFAULT_HEARTBEAT_TIMEOUT_S, "A multi-process run stops (every "
-      "process, with one line naming the lost one) when a process has not been heard from "
-      "for this many seconds.")
+      "process, with one line naming the lost one) when a process has not been heard from, "
+      "or the coordinator has not answered, for this many seconds.")
 
 
 def _jax():
@@ -145,12 +155,20 @@ def _int_env(env, name: str) -> int | None:
 
 def initialize_from_flags(resume_point: Callable[[], str] | None = None) -> bool:
   """Start the multi-process runtime if the flags or the environment ask for it (before any
-  device is touched); True if this is a multi-process run. `resume_point`: see `initialize`."""
+  device is touched); True if this is a multi-process run. `resume_point`: see `initialize`.
+
+  A multi-process run's process becomes a supervisor here (it never returns from this call)
+  and runs the command again as its child, which goes on (module docstring)."""
   values = flags.FLAGS
   given = settings(values.distributed, values.coordinator_address, values.num_processes,
                    values.process_id)
   if given is None:
     return False
+  if resume_point is not None:
+    _resume["point"] = resume_point
+  if not supervisor.follow_supervisor():
+    supervisor.run_supervised(lambda told, fatal: _fatal_line(told, fatal, given),
+                              LOST_EXIT_CODE)
   initialize(heartbeat_timeout_s=flags.FLAGS.heartbeat_timeout_s, resume_point=resume_point,
              **given)
   return _jax().process_count() > 1
@@ -182,6 +200,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     where = coordinator_address or "the cluster's coordinator"
     raise errors.ConfigError(f"could not start the multi-process runtime ({where}): "
                              f"{errors.one_line(e)}") from None
+  supervisor.report(process=jax.process_index(), count=jax.process_count())
   if jax.process_count() == 1:
     return
   if jax.process_index() != 0:
@@ -213,9 +232,35 @@ def _client():
 
 
 def _describe(index: int) -> str:
-  jax = _jax()
-  name = f"process {index} of {jax.process_count()}"
+  return _name(index, _jax().process_count())
+
+
+def _name(index: int, count: int | None) -> str:
+  """"process 1 of 2", "process 0 of 2 (the coordinator)"; without " of N" when unknown."""
+  name = f"process {index}" + (f" of {count}" if count else "")
   return name + " (the coordinator)" if index == 0 else name
+
+
+def _fatal_line(told: dict, fatal: bytes, given: dict) -> str:
+  """The supervisor's line when JAX's client aborted the child on an error of the coordination
+  service: `told` is what the child reported (its index and the process count), `given` the
+  settings (the fallback before the child reported), `fatal` JAX's fatal log line."""
+  index = told.get("process", given.get("process_id"))
+  count = told.get("count", given.get("num_processes"))
+  if index == 0:  # the service is this process's own: it reported another process's failure
+    status = fatal.decode(errors="replace").partition("absl::Status: ")[2] or "no status"
+    reason = f"the coordination service reported a fatal error ({status[:120]})"
+  else:
+    reason = f"{_name(0, count)} {COORDINATOR_GONE}"
+  me = f"process {index}" if index is not None else "this process"
+  return f"{reason}; stopping {me}; {_resume_point()}"
+
+
+def _resume_point() -> str:
+  try:
+    return _resume["point"]()
+  except Exception as e:  # noqa: BLE001 -- the line must come out whatever the disk says
+    return f"rerun the same command ({errors.one_line(e)[:80]})"
 
 
 # ----------------------------------------------------------------------------- agreement
@@ -352,7 +397,9 @@ def check_same_run(config: dict, run_flags: dict) -> None:
 
 
 class _Watchdog(threading.Thread):
-  """Beats in the key-value store every HEARTBEAT_INTERVAL_S and watches the others' beats."""
+  """Beats in the key-value store every HEARTBEAT_INTERVAL_S and watches the others' beats; on
+  processes other than 0, a second thread (`watch_round_trips`) watches its round trips to the
+  coordinator's service."""
 
   def __init__(self, timeout_s: float):
     super().__init__(daemon=True, name="diffgemma-watchdog")
@@ -362,8 +409,15 @@ class _Watchdog(threading.Thread):
     self.client = _client()
     self.stopping = False  # this process is ending on its own error: report nothing else
     self.ended = threading.Event()  # no more beats: this process is ending
+    self.in_flight_since: float | None = None  # when the round trip under way began
     atexit.register(self.finish)  # runs before jax's own shutdown (registered earlier)
     _watchdog["current"] = self
+
+  def start(self) -> None:
+    super().start()
+    if self.index != 0:  # process 0's store is its own
+      threading.Thread(target=self.watch_round_trips, daemon=True,
+                       name="diffgemma-round-trips").start()
 
   def finish(self, state: str = DONE) -> None:
     """This process ended (DONE: normally, FAILED: with an error line of its own); the others
@@ -384,27 +438,44 @@ class _Watchdog(threading.Thread):
   def _key(self, index: int) -> str:
     return f"{_KEY}/heartbeat/{index}"
 
+  def _round_trip(self, call: Callable[[], str | None]):
+    """`call()`, a call of the store, timed for `watch_round_trips`."""
+    self.in_flight_since = time.monotonic()
+    try:
+      return call()
+    finally:
+      self.in_flight_since = None
+
+  def watch_round_trips(self) -> None:
+    """A round trip that has not come back within the timeout: the coordinator's service is
+    frozen (its process stopped, its host hung or cut off), and the call may never return."""
+    while not self.ended.wait(HEARTBEAT_INTERVAL_S / 4):
+      since = self.in_flight_since
+      if since is not None and time.monotonic() - since > self.timeout_s:
+        lost(f"{_describe(0)} {COORDINATOR_GONE}", store_reachable=False)
+
   def run(self) -> None:
     beat, seen, failed_at = 0, {}, {}
     while not self.ended.is_set():
       beat += 1
       now = time.monotonic()
       try:
-        self.client.key_value_set(self._key(self.index), str(beat), allow_overwrite=True)
-      except Exception as e:  # noqa: BLE001 -- the coordinator's store is unreachable
+        self._round_trip(lambda: self.client.key_value_set(self._key(self.index), str(beat),
+                                                           allow_overwrite=True))
+      except Exception:  # noqa: BLE001 -- the coordinator's store is unreachable
         if self.ended.is_set():
           return
-        lost(f"{_describe(0)} is unreachable ({errors.one_line(e)[:120]})")
+        lost(f"{_describe(0)} {COORDINATOR_GONE}", store_reachable=False)
       for other in range(self.count):
         if other == self.index or self.ended.is_set():
           continue
         try:
-          value = self.client.key_value_try_get(self._key(other))
+          value = self._round_trip(lambda: self.client.key_value_try_get(self._key(other)))
         except Exception as e:  # noqa: BLE001
           if self.ended.is_set():
             return
           if "NOT_FOUND" not in str(e):
-            lost(f"{_describe(0)} is unreachable ({errors.one_line(e)[:120]})")
+            lost(f"{_describe(0)} {COORDINATOR_GONE}", store_reachable=False)
           value = None  # it has not beaten yet
         if value == DONE:
           continue
@@ -440,22 +511,23 @@ _lost = threading.Lock()
 _resume: dict = {"point": lambda: "rerun the same command"}  # see `initialize`
 
 
-def lost(reason: str) -> None:
+def lost(reason: str, store_reachable: bool = True) -> None:
   """Print the one line (the lost process, then `resume_point`) and end this process now (no
   shutdown barrier: it would wait for the lost process); nothing while this process is ending
-  on its own (its own error, or its normal end)."""
+  on its own (its own error, or its normal end). `store_reachable`: False when the coordinator's
+  service is the one lost (this process's end is not written there: the call could hang)."""
   watchdog = _watchdog["current"]
   if watchdog is not None and (watchdog.stopping or watchdog.ended.is_set()):
     return
   with _lost:
     if watchdog is not None:
-      watchdog.finish(FAILED)  # a process waiting for this one to settle need not wait
-    try:
-      resume = _resume["point"]()
-    except Exception as e:  # noqa: BLE001 -- the line must come out whatever the disk says
-      resume = f"rerun the same command ({errors.one_line(e)[:80]})"
+      if store_reachable:
+        watchdog.finish(FAILED)  # a process waiting for this one to settle need not wait
+      else:
+        watchdog.ended.set()
     sys.stdout.flush()
-    errors.print_error(f"{reason}; stopping process {_jax().process_index()}; {resume}")
+    errors.print_error(f"{reason}; stopping process {_jax().process_index()}; "
+                       f"{_resume_point()}")
     os._exit(LOST_EXIT_CODE)
 
 
