@@ -37,7 +37,7 @@ from absl import flags
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from diffgemma import cli
+from diffgemma import cli, errors
 from diffgemma.runs import distributed
 
 distributed.define_flags()  # --distributed, --coordinator_address, --num_processes, ...
@@ -103,6 +103,8 @@ def main(argv):
     raise cli.UserError(f"--data {_DATA.value!r} is a directory; pass a CSV or JSONL file")
   if not os.path.isfile(_DATA.value):
     raise cli.UserError(f"--data file {_DATA.value!r} not found")
+  if _PREDICTIONS.value:
+    errors.check_output_file(_PREDICTIONS.value, "predictions")
   distributed.initialize_from_flags()  # every process evaluates every example; 0 writes
   distributed.check_same_run({}, {"argv": distributed.shared_argv()})
   from diffgemma.runs import provenance
@@ -225,7 +227,7 @@ def run_scan(run, prompts, batch: int, points, sampler_overrides: dict, device: 
 
 def write_jsonl(path: str, records) -> None:
   """One JSON object per line, written to a temporary file and renamed (never half-written)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  errors.prepare_output_file(path, "predictions")
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     for record in records:
