@@ -120,6 +120,8 @@ def main(argv):
     raise cli.UserError("--scan needs --out=DIR for its table and plot")
   if _OUT.value and not scan:
     raise cli.UserError("--out is for --scan; without a scan the metrics are printed")
+  if _OUT.value:
+    errors.check_output_file(_OUT.value, "out", directory=True)
   if _WORKDIR.value:
     run = loaded.open_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
   else:
@@ -210,7 +212,7 @@ def run_scan(run, prompts, batch: int, points, sampler_overrides: dict, device: 
             f"{provenance.describe_device(device)}")
   if not distributed.primary():  # every process evaluated the same points; process 0 writes
     return
-  os.makedirs(_OUT.value, exist_ok=True)
+  errors.prepare_output_file(_OUT.value, "out", directory=True)
   with open(os.path.join(_OUT.value, "scan.md"), "w", encoding="utf-8") as f:
     f.write(header + "\n\n" + table + "\n")
   width, height = compare.plot_sweep(results, metric, os.path.join(_OUT.value, "scan.png"))

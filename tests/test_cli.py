@@ -181,6 +181,12 @@ def test_an_output_file_gets_its_folders_and_nothing_else(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["file"]  # the check made nothing
   assert errors.prepare_output_file(str(nested), "out") == str(nested)
   assert (tmp_path / "a" / "b").is_dir() and not nested.exists()
+  # A folder of outputs (eval.py --out with --scan, --out_dir): an existing one is fine.
+  with pytest.raises(errors.InputError, match="is a file"):
+    errors.prepare_output_file(str(tmp_path / "file"), "out_dir", directory=True)
+  errors.prepare_output_file(str(tmp_path / "a"), "out_dir", directory=True)
+  errors.prepare_output_file(str(tmp_path / "c" / "d"), "out_dir", directory=True)
+  assert (tmp_path / "c" / "d").is_dir()
 
 
 def test_a_puzzle_line_without_a_unique_solution(tmp_path):
