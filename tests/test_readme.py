@@ -148,7 +148,8 @@ def test_readme_commands_run_in_a_fresh_clone(tmp_path):
   clone = tmp_path / "clone"
   clone.mkdir()
   fresh_copy(str(clone))
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # The clone's package, as its editable install would import it (not this checkout's).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(clone))
   timings = []
   for step, argv in runs:
     start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
