@@ -37,7 +37,7 @@ from absl import flags
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from diffgemma import cli
+from diffgemma import cli, errors
 from diffgemma.runs import distributed
 
 distributed.define_flags()  # --distributed, --coordinator_address, --num_processes, ...
@@ -104,6 +104,8 @@ def main(argv):
     raise cli.UserError(f"--data {_DATA.value!r} is a directory; pass a CSV or JSONL file")
   if not os.path.isfile(_DATA.value):
     raise cli.UserError(f"--data file {_DATA.value!r} not found")
+  if _PREDICTIONS.value:
+    errors.check_output_file(_PREDICTIONS.value, "predictions")
   distributed.initialize_from_flags()  # every process evaluates every example; 0 writes
   distributed.check_same_run({}, {"argv": distributed.shared_argv()})
   from diffgemma.runs import provenance
@@ -119,6 +121,8 @@ def main(argv):
     raise cli.UserError("--scan needs --out=DIR for its table and plot")
   if _OUT.value and not scan:
     raise cli.UserError("--out is for --scan; without a scan the metrics are printed")
+  if _OUT.value:
+    errors.check_output_file(_OUT.value, "out", directory=True)
   if _WORKDIR.value:
     run = loaded.open_run(_WORKDIR.value, eval_overrides=eval_overrides(), **overrides)
   else:
@@ -212,7 +216,7 @@ def run_scan(run, prompts, batch: int, points, sampler_overrides: dict, device: 
             f"{provenance.describe_device(device)}")
   if not distributed.primary():  # every process evaluated the same points; process 0 writes
     return
-  os.makedirs(_OUT.value, exist_ok=True)
+  errors.prepare_output_file(_OUT.value, "out", directory=True)
   with open(os.path.join(_OUT.value, "scan.md"), "w", encoding="utf-8") as f:
     f.write(header + "\n\n" + table + "\n")
   width, height = compare.plot_sweep(results, metric, os.path.join(_OUT.value, "scan.png"))
@@ -229,7 +233,7 @@ def run_scan(run, prompts, batch: int, points, sampler_overrides: dict, device: 
 
 def write_jsonl(path: str, records) -> None:
   """One JSON object per line, written to a temporary file and renamed (never half-written)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  errors.prepare_output_file(path, "predictions")
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     for record in records:

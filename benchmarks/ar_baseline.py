@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from absl import flags
 from torch import nn
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 FLAGS = flags.FLAGS
 ESTIMATE_AFTER_STEPS = 20  # steps timed before the cosine's length is estimated
@@ -471,8 +471,7 @@ def run_benchmark(o: Options) -> dict:
       "device": device_info(o.threads),
   }
   if o.out:
-    os.makedirs(os.path.dirname(os.path.abspath(o.out)), exist_ok=True)
-    with open(o.out, "w", encoding="utf-8") as f:
+    with open(errors.prepare_output_file(o.out, "out"), "w", encoding="utf-8") as f:
       json.dump({**result, "predictions": records}, f, indent=1, ensure_ascii=False)
     result["out"] = os.path.abspath(o.out)
   return result

@@ -46,7 +46,7 @@ import numpy as np
 from absl import flags
 
 import pallas_kernels as kernel_bench  # benchmarks/pallas_kernels.py, beside this script
-from diffgemma import cli
+from diffgemma import cli, errors
 from diffgemma.model import network, quantize
 from diffgemma.runs import provenance
 from diffgemma.sampling import sampler
@@ -370,7 +370,7 @@ def section_lora(suite: Suite, cfg: ModelConfig, params, variants, repeats: int)
 
 
 def write(suite: Suite, out_dir: str, header: list[str]):
-  os.makedirs(out_dir, exist_ok=True)
+  errors.prepare_output_file(out_dir, "out", directory=True)
   table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   table += [format_row(r) for r in suite.rows]
   text = "\n".join(header + [""] + table) + "\n"
@@ -386,6 +386,7 @@ def main(argv):
   del argv
   if not _OUT.value:
     raise cli.UserError("--out=DIR is required")
+  errors.check_output_file(_OUT.value, "out", directory=True)
   smoke, repeats = _SMOKE.value, _REPEATS.value
   if smoke:
     repeats = 1

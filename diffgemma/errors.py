@@ -4,9 +4,16 @@ Every error a user can fix is a `UserError` of one of three kinds (`InputError`,
 `RunError`); a module's own error class subclasses its kind, so `cli.run` catches `UserError`
 alone and prints its one-line message (exit status 2). `RunStopped` is a run that stopped on
 purpose (exit status 3).
+
+Also the one rule for a file (or a folder of files) a command writes (`check_output_file`,
+`prepare_output_file`): its missing folders are made, as `train.py --workdir` makes its run
+directory; an existing directory where a file goes, or a file in the way of a folder, is refused
+in one line.
 """
 
 from __future__ import annotations
+
+import os
 
 
 class UserError(Exception):
@@ -77,3 +84,34 @@ def print_error(message: str) -> None:
   bars_open = tqdm_module is not None and len(getattr(tqdm_module.tqdm, "_instances", ())) > 0
   sys.stderr.write(("\n" if bars_open else "") + f"error: {message}\n")
   sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------- output files
+
+
+def check_output_file(path: str, flag: str, directory: bool = False) -> None:
+  """InputError (one line) when the file `path` that `--flag` names cannot be written where it
+  is: an existing directory, or a file in the way of its folder (`directory`: `path` is the
+  folder the command writes its files in). Writes nothing (a command checks its outputs before
+  its work; `prepare_output_file` makes the folders when it writes)."""
+  if not directory and os.path.isdir(path):
+    raise InputError(f"--{flag}={path!r} is a directory; name a file in it")
+  ancestor = os.path.abspath(path) if directory else os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(ancestor):  # the nearest existing folder above the file
+    ancestor = os.path.dirname(ancestor)
+  if not os.path.isdir(ancestor):
+    raise InputError(f"--{flag}={path!r}: {ancestor} is a file, not a directory")
+
+
+def prepare_output_file(path: str, flag: str, directory: bool = False) -> str:
+  """`path` (named by `--flag`), its missing folders made (`directory`: `path` itself too);
+  InputError (one line) when `check_output_file` refuses it or a folder cannot be made
+  (permissions, a full disk)."""
+  check_output_file(path, flag, directory)
+  folder = os.path.abspath(path) if directory else os.path.dirname(os.path.abspath(path))
+  try:
+    os.makedirs(folder, exist_ok=True)
+  except OSError as e:
+    raise InputError(f"--{flag}={path!r}: cannot make directory {folder}: "
+                     f"{e.strerror or e}") from None
+  return path

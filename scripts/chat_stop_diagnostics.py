@@ -34,7 +34,7 @@ import json
 from absl import flags
 import numpy as np
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 FLAGS = flags.FLAGS
 
@@ -199,10 +199,12 @@ def main(argv):
     raise cli.UserError(f"--noise_levels must be numbers in (0, 1], got {FLAGS.noise_levels}")
   if FLAGS.num < 1:
     raise cli.UserError(f"--num must be >= 1, got {FLAGS.num}")
+  if FLAGS.json:
+    errors.check_output_file(FLAGS.json, "json")
   result = diagnose(FLAGS.workdir, FLAGS.data, FLAGS.num, levels, FLAGS.seed)
   print(format_report(result))
   if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
+    with open(errors.prepare_output_file(FLAGS.json, "json"), "w") as f:
       json.dump(result, f, indent=1)
 
 

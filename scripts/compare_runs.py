@@ -12,11 +12,9 @@ against TPF (the quality-speed plane). Runs are read from WORKDIR/config.json an
 TensorBoard events in WORKDIR/tensorboard (diffgemma/tools/compare.py).
 """
 
-import os
-
 from absl import flags
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 _OUT = flags.DEFINE_string("out", None, "Write the plots to this PNG file.")
 
@@ -27,13 +25,14 @@ def main(argv):
     raise cli.UserError("give one or more run directories: compare_runs.py DIR [DIR ...]")
   if _OUT.value is not None and not _OUT.value.lower().endswith(".png"):
     raise cli.UserError(f"--out={_OUT.value!r}: the plot is a PNG (name it FILE.png)")
-  if _OUT.value and not os.path.isdir(os.path.dirname(os.path.abspath(_OUT.value))):
-    raise cli.UserError(f"--out={_OUT.value!r}: its directory does not exist")
+  if _OUT.value:
+    errors.check_output_file(_OUT.value, "out")
   from diffgemma.tools import compare
 
   runs = compare.load_runs(workdirs)  # a directory that is not a run: one line (cli.run)
   print(compare.format_table(runs))
   if _OUT.value:
+    errors.prepare_output_file(_OUT.value, "out")
     width, height = compare.plot(runs, _OUT.value)
     print(f"plot: {_OUT.value} ({width}x{height})")
 

@@ -20,7 +20,7 @@ import re
 from absl import flags
 import numpy as np
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 FLAGS = flags.FLAGS
 
@@ -86,7 +86,7 @@ def convert(train_path: str, out_dir: str, test_path: str | None = None, test_si
     held = set(np.random.default_rng(seed).permutation(len(train))[:test_size].tolist())
     train, test = ([r for i, r in enumerate(train) if i not in held],
                    [r for i, r in enumerate(train) if i in held])
-  os.makedirs(out_dir, exist_ok=True)
+  errors.prepare_output_file(out_dir, "out_dir", directory=True)
   for name, records in (("train", train), ("test", test)):
     write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), records)
   return len(train), len(test)
@@ -96,6 +96,7 @@ def main(argv):
   del argv
   if not FLAGS.train or not FLAGS.out_dir:
     raise cli.UserError("--train and --out_dir are required")
+  errors.check_output_file(FLAGS.out_dir, "out_dir", directory=True)
   n_train, n_test = convert(FLAGS.train, FLAGS.out_dir, FLAGS.test, FLAGS.test_size, FLAGS.seed,
                             FLAGS.keep_calculator)
   print(f"wrote {n_train} training and {n_test} test problems to {FLAGS.out_dir}")

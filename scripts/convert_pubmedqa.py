@@ -19,7 +19,7 @@ import os
 from absl import flags
 import numpy as np
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 INSTRUCTION = ("Answer with a short explanation, then end with \"The answer is yes.\", "
                "\"The answer is no.\" or \"The answer is maybe.\"")
@@ -98,7 +98,7 @@ def convert(input_path: str, out_dir: str, test_ids_path: str | None = None,
         conversation(input_path, key, data[key]))
   if not splits["train"]:
     raise cli.UserError("every question is in the test split; nothing left to train on")
-  os.makedirs(out_dir, exist_ok=True)
+  errors.prepare_output_file(out_dir, "out_dir", directory=True)
   for name, records in splits.items():
     with open(os.path.join(out_dir, f"{name}.jsonl"), "w", encoding="utf-8") as f:
       for record in records:
@@ -110,6 +110,7 @@ def main(argv):
   del argv
   if not FLAGS.input or not FLAGS.out_dir:
     raise cli.UserError("--input and --out_dir are required")
+  errors.check_output_file(FLAGS.out_dir, "out_dir", directory=True)
   n_train, n_test = convert(FLAGS.input, FLAGS.out_dir, FLAGS.test_ids, FLAGS.test_size,
                             FLAGS.seed)
   print(f"wrote {n_train} training and {n_test} test questions to {FLAGS.out_dir}")

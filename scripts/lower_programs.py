@@ -19,7 +19,7 @@ import sys
 
 from absl import flags
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 _PLATFORMS = flags.DEFINE_list("platforms", ["cuda", "tpu"], "Platforms to lower for.")
 _GROUPS = flags.DEFINE_list("groups", ["kernels", "model", "train_step"], "Program groups.")
@@ -73,7 +73,7 @@ def main(argv):
         failures.append(result.name)
   print(lowering.format_results(results))
   if _JSON.value:
-    with open(_JSON.value, "w") as f:
+    with open(errors.prepare_output_file(_JSON.value, "json"), "w") as f:
       json.dump([lowering.as_dict(r) for r in results], f, indent=1)
   if failures:
     print(f"unexpected: {', '.join(failures)}")

@@ -25,13 +25,12 @@ Each line is a pure function of (task, seed, line number); a fresh seed gives a 
 """
 
 import json
-import os
 import string
 
 from absl import flags
 import numpy as np
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 TASKS = ("count", "sort", "infill_count")
 COUNT_START = (1, 500)  # A, inclusive
@@ -90,9 +89,7 @@ def write_task(task: str, num: int, seed: int, out: str) -> None:
   make = {"count": lambda rng: {"messages": count_conversation(rng)},
           "sort": lambda rng: {"messages": sort_conversation(rng)},
           "infill_count": infill_count_record}[task]
-  out_dir = os.path.dirname(os.path.abspath(out))
-  if not os.path.isdir(out_dir):
-    raise cli.UserError(f"directory {out_dir} does not exist")
+  errors.prepare_output_file(out, "out")
   with open(out, "w", encoding="utf-8") as f:
     for i in range(num):
       f.write(json.dumps(make(np.random.default_rng([seed, i]))) + "\n")

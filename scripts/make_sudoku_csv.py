@@ -15,7 +15,7 @@ import os
 import numpy as np
 from absl import flags
 
-from diffgemma import cli
+from diffgemma import cli, errors
 from diffgemma.tasks import sudoku_puzzles
 
 _OUT = flags.DEFINE_string("out", None, "Output CSV path.")
@@ -57,6 +57,7 @@ def main(argv):
   del argv
   if not _OUT.value:
     raise cli.UserError("--out is required, e.g. --out=/tmp/puzzles.csv")
+  errors.check_output_file(_OUT.value, "out")
   if _NUM.value < 1:
     raise cli.UserError(f"--num must be >= 1, got {_NUM.value}")
   if _SEED.value < 0:
@@ -72,9 +73,6 @@ def main(argv):
     sudoku_puzzles.check_givens_range(_MIN.value, _MAX.value)
   except ValueError as e:
     raise cli.UserError(f"--min_givens/--max_givens: {e}") from None
-  directory = os.path.dirname(os.path.abspath(_OUT.value))
-  if not os.path.isdir(directory):
-    raise cli.UserError(f"directory {directory} of --out does not exist")
   try:
     puzzles, solutions = sudoku_puzzles.generate_puzzles(_SEED.value, _NUM.value, _MIN.value,
                                                          _MAX.value)
@@ -85,6 +83,7 @@ def main(argv):
 
 
 def _write(puzzles, solutions):
+  errors.prepare_output_file(_OUT.value, "out")  # its missing folders
   try:
     sudoku_puzzles.write_csv(_OUT.value, puzzles, solutions)
   except OSError as e:

@@ -23,7 +23,7 @@ import os
 from absl import flags
 import numpy as np
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 FLAGS = flags.FLAGS
 
@@ -265,6 +265,8 @@ def main(argv):
   del argv
   if not FLAGS.workdir:
     raise cli.UserError("--workdir is required")
+  if FLAGS.json:
+    errors.check_output_file(FLAGS.json, "json")
   try:
     steps = [int(s) for s in FLAGS.steps]
   except ValueError:
@@ -273,7 +275,7 @@ def main(argv):
                                     FLAGS.noise_levels, FLAGS.attention_t, FLAGS.sampler_puzzles)
   print(report)
   if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
+    with open(errors.prepare_output_file(FLAGS.json, "json"), "w") as f:
       json.dump({"workdir": os.path.abspath(FLAGS.workdir), "results": results}, f)
 
 

@@ -23,7 +23,7 @@ import os
 
 from absl import flags, logging
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/NAME.py, or just NAME.")
 _ROOT = flags.DEFINE_string("root", None, "Directory holding one workdir per point.")
@@ -73,6 +73,8 @@ def main(argv):
   out = os.path.join(_ROOT.value, "compare.png") if _OUT.value is None else _OUT.value
   if out and not out.lower().endswith(".png"):
     raise cli.UserError(f"--out={out!r}: the plot is a PNG (name it FILE.png)")
+  if _OUT.value:
+    errors.check_output_file(out, "out")
   logging.set_verbosity(logging.ERROR)  # orbax's notes on reading checkpoint directories
   from diffgemma.tasks import make_task
   from diffgemma.tools import compare, sweep
@@ -112,7 +114,7 @@ def main(argv):
     print()
     print(compare.format_table(runs))
     if out and any(run.series for run in runs):
-      width, height = compare.plot(runs, out)
+      width, height = compare.plot(runs, errors.prepare_output_file(out, "out"))
       print(f"\nplot: {out} ({width}x{height})")
   failed = sorted(name for name, rc in codes.items() if rc != 0)
   if failed:

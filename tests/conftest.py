@@ -84,7 +84,7 @@ hypothesis.settings.load_profile("diffgemma")
 LONGEST_FIRST = ("test_lora.py", "test_many_hosts.py", "test_host_failures.py", "test_sdrl.py",
                  "test_ablation.py", "test_quantize.py", "test_checkpoint_io.py",
                  "test_reliability.py", "test_tokenizer.py", "test_chat_training.py",
-                 "test_gpu_suite.py", "test_training.py", "test_nemo_parity.py",
+                 "test_gpu_suite.py", "test_readme.py", "test_training.py", "test_nemo_parity.py",
                  "test_bad_inputs.py", "test_optimized.py")
 
 

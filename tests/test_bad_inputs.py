@@ -637,6 +637,9 @@ HAND_PICKED = [
     (["eval.py", "--workdir={run}", "--data={tmp}/none.csv"], "no examples"),
     (["eval.py", "--workdir={run}", "--data={csv}", "--sampler.t_maxx=1"], "t_maxx"),
     (["eval.py", "--workdir={run}", "--data={csv}", "--scan=sampler.t_max=a"], "t_max"),
+    (["eval.py", "--workdir={run}", "--data={csv}", "--scan=sampler.t_max=0.5,0.6",
+      "--out={csv}"], "is a file"),
+    (["eval.py", "--workdir={run}", "--data={csv}", "--predictions={tmp}"], "is a directory"),
     (["sample.py", "--workdir={run}", "--puzzle=55" + "." * 79], "given twice"),
     (["sample.py", "--workdir={run}", "--puzzle=12345678." + "." * 8 + "9" + "." * 63],
      "no solution"),
@@ -664,12 +667,16 @@ HAND_PICKED = [
     (["scripts/make_sudoku_csv.py", "--out={tmp}/x.csv", "--min_givens=10"], "min_givens"),
     (["scripts/make_sudoku_csv.py", "--out={tmp}/x.csv", "--min_givens=50", "--max_givens=40"],
      "min_givens"),
-    (["scripts/make_sudoku_csv.py", "--out={tmp}/no/dir/x.csv", "--num=1"], "directory"),
+    (["scripts/make_sudoku_csv.py", "--out={tmp}", "--num=1"], "is a directory"),
+    (["scripts/make_sudoku_csv.py", "--out={csv}/x.csv", "--num=1"], "is a file"),
+    (["scripts/make_chat_task.py", "--task=sort", "--num=2", "--out={tmp}"], "is a directory"),
     (["scripts/make_sudoku_csv.py"], "--out"),
     (["scripts/print_scalars.py", "--workdir={tmp}/nothing"], "no scalars"),
     (["scripts/make_chat_task.py", "--task=add", "--num=2", "--out={tmp}/t.jsonl"], "--task"),
     (["scripts/convert_gsm8k.py", "--train={tmp}/gsm.jsonl", "--out_dir={tmp}/gsm_out"],
      "gsm.jsonl:1"),
+    (["scripts/convert_gsm8k.py", "--train={tmp}/gsm.jsonl", "--out_dir={csv}/gsm_out"],
+     "is a file"),
 ]
 SECTIONS = {"eval.py": ["sampler"], "sample.py": ["sampler"]}
 

@@ -150,16 +150,43 @@ def test_malformed_csv_row(tmp_path):
 
 def test_puzzle_lines_become_a_solved_csv(tmp_path):
   """make_sudoku_csv.py --from_lines: '.'-blank lines with trailing comments and blank lines
-  in between; the CSV holds the first --num puzzles with the generator's (unique) solutions."""
+  in between; the CSV holds the first --num puzzles with the generator's (unique) solutions, in
+  folders --out names that did not exist yet."""
   puzzles, solutions = sudoku_puzzles.generate_puzzles(3, 3, 30, 32)
   lines = ["".join(str(d) if d else "." for d in p) for p in puzzles]
   source = tmp_path / "puzzles.txt"
   source.write_text(lines[0] + "  // a comment\n\n" + lines[1] + "\n" + lines[2] + "\n")
-  out = tmp_path / "out.csv"
+  out = tmp_path / "new" / "folders" / "out.csv"
   r = run("scripts/make_sudoku_csv.py", f"--from_lines={source}", "--num=2", f"--out={out}")
   assert r.returncode == 0, r.stderr
   got_puzzles, got_solutions = sudoku_puzzles.load_csv(out)
   assert (got_puzzles == puzzles[:2]).all() and (got_solutions == solutions[:2]).all()
+
+
+def test_an_output_file_gets_its_folders_and_nothing_else(tmp_path):
+  """The one rule for a file a command writes: missing folders are made when it is written;
+  an existing directory, or a file where a folder should be, is refused in one line naming the
+  flag, and the check before the work writes nothing."""
+  from diffgemma import errors
+
+  (tmp_path / "file").write_text("x")
+  for path, needle in ((tmp_path, "is a directory"), (tmp_path / "file" / "sub" / "o.csv",
+                                                       "is a file")):
+    for refuse in (errors.check_output_file, errors.prepare_output_file):
+      with pytest.raises(errors.InputError, match=needle) as caught:
+        refuse(str(path), "out")
+      assert str(caught.value).startswith(f"--out={str(path)!r}")
+  nested = tmp_path / "a" / "b" / "o.csv"
+  errors.check_output_file(str(nested), "out")
+  assert sorted(os.listdir(tmp_path)) == ["file"]  # the check made nothing
+  assert errors.prepare_output_file(str(nested), "out") == str(nested)
+  assert (tmp_path / "a" / "b").is_dir() and not nested.exists()
+  # A folder of outputs (eval.py --out with --scan, --out_dir): an existing one is fine.
+  with pytest.raises(errors.InputError, match="is a file"):
+    errors.prepare_output_file(str(tmp_path / "file"), "out_dir", directory=True)
+  errors.prepare_output_file(str(tmp_path / "a"), "out_dir", directory=True)
+  errors.prepare_output_file(str(tmp_path / "c" / "d"), "out_dir", directory=True)
+  assert (tmp_path / "c" / "d").is_dir()
 
 
 def test_a_puzzle_line_without_a_unique_solution(tmp_path):

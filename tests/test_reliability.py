@@ -470,6 +470,38 @@ def test_resume_records_safe_changes_with_their_step(reference, tmp_path, capsys
   assert len(resume_config.history(workdir)) == 1
 
 
+def test_a_damaged_config_history_is_kept_beside_the_new_one(tmp_path, capsys):
+  """A config_history.json that is not a JSON list is renamed, not overwritten (it once read
+  as no history, and the next resume's entry replaced it)."""
+  for damaged in ("{not json", '{"step": 3}'):
+    workdir = tmp_path / str(len(damaged))
+    workdir.mkdir()
+    (workdir / resume_config.HISTORY_FILE).write_text(damaged)
+    with pytest.raises(ValueError, match="not a JSON list"):
+      resume_config.history(str(workdir))
+    resume_config.record(str(workdir), 7, {"log_every": [1, 3]})
+    history = resume_config.history(str(workdir))
+    assert [(h["step"], h["changes"]) for h in history] == [
+        (7, {"log_every": {"old": 1, "new": 3}})]
+    kept = [p for p in workdir.iterdir() if p.name != resume_config.HISTORY_FILE]
+    assert len(kept) == 1 and kept[0].read_text() == damaged
+    assert f"kept as {kept[0].name}" in capsys.readouterr().err
+
+
+def test_a_damaged_run_info_is_one_line_and_kept(tmp_path):
+  """run_info.json that is not a run record: one line saying to move it aside (it was a
+  traceback, and its message said to delete the record)."""
+  from diffgemma import errors
+  from diffgemma.runs import provenance
+
+  for damaged in ("{not json", "[]", '{"invocations": 3}'):
+    (tmp_path / provenance.RUN_INFO).write_text(damaged)
+    with pytest.raises(errors.UserError, match="move it aside") as e:
+      provenance.record_start(str(tmp_path), 0)
+    assert "\n" not in str(e.value)
+    assert (tmp_path / provenance.RUN_INFO).read_text() == damaged
+
+
 def test_a_run_saved_in_the_old_loss_layout_resumes_with_the_same_objective():
   """tests/fixtures/pre_flax_run saved `loss.encoder_loss_on_prompt=False`; it loads as
   encoder_scope="target", so today's recipe (every LossConfig field, that scope) resumes it,

@@ -34,6 +34,7 @@ import platform
 import subprocess
 import sys
 
+from diffgemma import errors
 from diffgemma.runs import distributed
 
 RUN_INFO = "run_info.json"
@@ -149,16 +150,23 @@ def _path(workdir: str) -> str:
   return os.path.join(workdir, RUN_INFO)
 
 
+class RunInfoError(errors.RunError):
+  """A run_info.json that cannot be read as the run's record. One-line message."""
+
+
 def load_run_info(workdir: str) -> dict:
-  """The workdir's run_info.json ({"invocations": []} when there is none)."""
+  """The workdir's run_info.json ({"invocations": []} when there is none); RunInfoError (one
+  line) when it is not a JSON object with a list of invocations."""
   try:
     with open(_path(workdir)) as f:
       info = json.load(f)
   except FileNotFoundError:
     return {"invocations": []}
   except ValueError:
-    raise ValueError(f"{_path(workdir)} is not valid JSON; delete it to start a fresh record")
-  info.setdefault("invocations", [])
+    info = None
+  if not isinstance(info, dict) or not isinstance(info.setdefault("invocations", []), list):
+    raise RunInfoError(f"{_path(workdir)} is not a run record (a JSON object with a list of "
+                       "invocations); move it aside to start a fresh one")
   return info
 
 

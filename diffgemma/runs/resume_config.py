@@ -29,6 +29,7 @@ import datetime
 import fnmatch
 import json
 import os
+import sys
 from typing import Any, Collection
 
 import ml_collections
@@ -181,7 +182,8 @@ def describe(changes: dict[str, list], config: ml_collections.ConfigDict) -> lis
 
 
 def history(workdir: str) -> list[dict]:
-  """The run's recorded resume changes, oldest first ([] if none)."""
+  """The run's recorded resume changes, oldest first ([] if none); ValueError (one line) when
+  the file is not a JSON list."""
   path = os.path.join(workdir, HISTORY_FILE)
   if not os.path.exists(path):
     return []
@@ -189,20 +191,32 @@ def history(workdir: str) -> list[dict]:
     with open(path) as f:
       entries = json.load(f)
   except ValueError:
-    return []
-  return entries if isinstance(entries, list) else []
+    entries = None
+  if not isinstance(entries, list):
+    raise ValueError(f"{path} is not a JSON list of resume changes")
+  return entries
 
 
 def record(workdir: str, step: int, changes: dict[str, list]) -> None:
-  """Append {step, time, changes} to config_history.json (atomically, like config.json)."""
+  """Append {step, time, changes} to config_history.json (atomically, like config.json). A
+  damaged history (not a JSON list: edited by hand, a full disk) is kept beside it, renamed,
+  and a new one starts: nothing already written is lost, and the run goes on."""
   from diffgemma.runs import checkpointing, distributed  # local: `reconcile` needs no orbax
 
   if not distributed.primary():  # a multi-process run's files are process 0's
     return
-  entries = history(workdir) + [{
+  path = os.path.join(workdir, HISTORY_FILE)
+  try:
+    previous = history(workdir)
+  except ValueError as e:
+    kept = f"{path}.damaged-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
+    os.replace(path, kept)
+    print(f"warning: {e}; kept as {os.path.basename(kept)}, a new history starts",
+          file=sys.stderr)
+    previous = []
+  entries = previous + [{
       "step": int(step),
       "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
       "changes": {k: {"old": old, "new": new} for k, (old, new) in changes.items()}}]
-  checkpointing.write_text_atomic(os.path.join(workdir, HISTORY_FILE),
-                                  json.dumps(entries, indent=2) + "\n")
+  checkpointing.write_text_atomic(path, json.dumps(entries, indent=2) + "\n")
 

@@ -27,6 +27,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from diffgemma import errors
+
 HTML_SUFFIXES = (".html",)
 
 
@@ -189,19 +191,20 @@ def log_text_traces(writer, step: int, trajectory, decode_token: Callable[[int],
 
 # ----------------------------------------------------------------------------- sample.py
 
-def check_trace_path(path: str, suffixes: Sequence[str] = HTML_SUFFIXES) -> None:
-  """ValueError (one line) unless `path` ends in one of `suffixes` and its directory exists."""
+def check_trace_path(path: str, suffixes: Sequence[str] = HTML_SUFFIXES,
+                     make_folders: bool = False) -> None:
+  """ValueError (one line) unless `path` ends in one of `suffixes` and is a file that can be
+  written (errors.check_output_file). `make_folders`: also make its missing folders (the
+  writers; a check before the sampling writes nothing)."""
   suffix = os.path.splitext(path)[1].lower()
   if suffix not in suffixes:
     raise ValueError(f"--trace={path!r}: the file must end in {' or '.join(suffixes)}")
-  folder = os.path.dirname(os.path.abspath(path))
-  if not os.path.isdir(folder):
-    raise ValueError(f"--trace={path!r}: directory {folder!r} does not exist")
+  (errors.prepare_output_file if make_folders else errors.check_output_file)(path, "trace")
 
 
 def write_text_trace(path: str, trajectory, decode_token: Callable[[int], str], row: int = 0,
                      title: str = "Denoising trace") -> int:
   """An HTML trace of every canvas row `row` denoised; returns the number of step rows."""
-  check_trace_path(path, HTML_SUFFIXES)
+  check_trace_path(path, HTML_SUFFIXES, make_folders=True)
   labels, tokens, entropies, accepted = text_trace(trajectory, decode_token, row)
   return html_trace(tokens, entropies, accepted, path, labels, title)

@@ -199,7 +199,7 @@ def log_sudoku_traces(writer, step: int, trajectory, puzzles_Nx81, solutions_Nx8
 def write_sudoku_trace(path: str, trajectory, puzzle_81, row: int = 0, solution_81=None) -> int:
   """A Sudoku trace by the file's suffix: .gif (`sudoku_gif`) or .html (the grid's digits per
   step). Returns the number of steps drawn."""
-  check_trace_path(path, TRACE_SUFFIXES)
+  check_trace_path(path, TRACE_SUFFIXES, make_folders=True)
   if path.lower().endswith(".gif"):
     return sudoku_gif(trajectory, puzzle_81, path, row, solution_81)
   labels, tokens, entropies, accepted = sudoku_text_trace(trajectory, row)
