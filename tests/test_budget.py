@@ -134,6 +134,20 @@ def test_a_refitted_cosine_schedule_continues_from_the_learning_rate_it_reached(
                                            rel=1e-5)
 
 
+@pytest.mark.parametrize("num_steps,event_every,log_every", [
+    (291, 500, 20), (3060, 500, 20), (2000, 250, 20), (40, 0, 1), (7, 12, 1), (1000, 100, 30)])
+def test_refit_cadence_is_the_event_or_an_eighth_of_the_schedule(num_steps, event_every,
+                                                                  log_every):
+  """By brute force: the smallest multiple of log_every not below an eighth of the count nor
+  below MIN_REFIT_STEPS, or the periodic event's interval when that is shorter."""
+  floor = max(budget.MIN_REFIT_STEPS, num_steps // budget.REFITS_PER_SCHEDULE)
+  share = next(m for m in range(log_every, 10 * num_steps + 100, log_every) if m >= floor)
+  want = min(share, event_every) if event_every > 0 else share
+  assert budget.refit_cadence(num_steps, event_every, log_every) == want
+  if (num_steps, event_every) == (291, 500):  # the loaded 10-minute run: a re-fit every 40 steps
+    assert want == 40
+
+
 def test_events_between_counts_the_periodic_and_the_final_event():
   for start, end, every in [(0, 10, 3), (3, 9, 3), (50, 4000, 500), (7, 8, 100), (5, 5, 2)]:
     expected = sum(1 for s in range(start + 1, end + 1) if s % every == 0 or s == end)

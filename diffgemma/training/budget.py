@@ -11,9 +11,13 @@ count at stated points:
    `fit_num_steps` picks the largest count whose steps, evaluations, checkpoints and the update
    step's recompile (the schedule is a compile-time constant) end inside the time left, less a
    margin (`margin_seconds`);
-2. a re-fit at every periodic evaluation after it (at every checkpoint when evaluation is off):
-   `refit` keeps the count while it still fits and no more than a margin's worth of time would
-   be left over, else fits it again (shorter: "slower"; longer: "faster").
+2. a re-fit every `refit_cadence` steps after it: at every periodic evaluation (at every
+   checkpoint when evaluation is off), and at least every REFITS_PER_SCHEDULE-th of the count in
+   effect (a schedule fitted short under load may end before its first evaluation: a 10-minute
+   Sudoku run calibrated beside a busy process fitted 291 steps, evaluates every 500, and left
+   4.1 of its 10 minutes unused); `refit` keeps the count while it still fits and no more than a
+   margin's worth of time would be left over, else fits it again (shorter: "slower"; longer:
+   "faster").
 
 Each uses the fastest stable stretch of the step times since the previous fit (`fastest_window`:
 the fastest run of consecutive timing windows covering a quarter of them, windows that held an
@@ -51,6 +55,12 @@ MAX_MARGIN_SECONDS = 60.0
 # enough that one lucky window does not set the pace, short enough that a slowed start (or an end
 # slowed by load) is left out.
 FASTEST_SHARE = 0.25
+# A re-fit comes at least this many times per schedule (`refit_cadence`); a kept count costs
+# nothing, a changed one a recompile.
+REFITS_PER_SCHEDULE = 8
+# ... but no more often than every this many steps: a re-fit reads the logged step times since
+# the last one, and a few steps say little about the pace.
+MIN_REFIT_STEPS = 20
 # Why a fit chose its count (run_info.json's budget_refits, the progress line).
 KEPT, FASTER, SLOWER = "kept", "faster", "slower"
 # The calibration ends at the end of the warmup, or earlier once it has used this fraction of
@@ -80,6 +90,17 @@ class Calibration:
             f"{1 / self.seconds_per_step:.2f} steps/s after {self.calibration_steps} steps, "
             f"{self.eval_seconds:.1f} s per eval, {self.checkpoint_seconds:.1f} s per checkpoint, "
             f"{self.compile_seconds:.1f} s to recompile")
+
+
+def refit_cadence(num_steps: int, event_every: int, log_every: int) -> int:
+  """Steps between re-fits under a count of `num_steps`: the periodic event's (`event_every`,
+  the evaluation or the checkpoint; <= 0: none), or a REFITS_PER_SCHEDULE-th of the count (at
+  least MIN_REFIT_STEPS) when that is shorter, rounded up to a multiple of `log_every` (the
+  re-fit reads the logged step times)."""
+  log_every = max(log_every, 1)
+  share = max(MIN_REFIT_STEPS, num_steps // REFITS_PER_SCHEDULE)
+  share = -(-share // log_every) * log_every
+  return min(event_every, share) if event_every > 0 else share
 
 
 def events_between(start: int, end: int, every: int) -> int:

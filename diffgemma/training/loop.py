@@ -478,7 +478,7 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   # A timing window (between two logged steps) is clean when it held no checkpoint and no
   # compile: a re-fit's pace comes from the clean ones (evaluations restart the window).
   window_start, window_steps, window_clean = time.perf_counter(), 0, False
-  refit_every = eval_cfg.every_steps if eval_prompts is not None else train_cfg.checkpoint_every
+  refit_event = eval_cfg.every_steps if eval_prompts is not None else train_cfg.checkpoint_every
   bar = tqdm(total=None if fitting else train_cfg.num_train_steps, initial=start_step,
              desc=stage.name, unit="step", dynamic_ncols=True, disable=not distributed.primary())
   step, stop = start_step, ""
@@ -559,7 +559,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
           tqdm.write(_too_slow(calibration, train_cfg))
         window_start, window_steps, window_clean = time.perf_counter(), 0, False
       elif (refits is not None and step < train_cfg.num_train_steps
-            and refits.due(step, refit_every)):
+            and refits.due(step, budget.refit_cadence(train_cfg.num_train_steps, refit_event,
+                                                      train_cfg.log_every))):
         before = train_cfg.num_train_steps
         count, refit = refits.decide(step, before, end_time,
                                      eval_cfg.every_steps if eval_prompts else 0,
