@@ -182,7 +182,7 @@ def refit(num_steps: int, step: int, seconds_left: float, seconds_per_step: floa
 
   The band is a hysteresis: the margin is there to absorb the pace's noise, so a count is
   shrunk only once half of it is spent, and extended only past what the change's recompile
-  costs. Without it, a 30-minute Sudoku run on this project's 2-core EPYC re-fitted 7 times
+  costs. Without it, a 30-minute Sudoku run on this project's 2-core EPYC re-fitted 6 times
   (3745 -> 3986 -> 3879 -> ... -> 3656 steps, a 15 s recompile each) on a +-4% pace."""
   timing = dict(eval_seconds=eval_seconds, eval_every=eval_every,
                 checkpoint_seconds=checkpoint_seconds, checkpoint_every=checkpoint_every)
