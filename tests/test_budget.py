@@ -157,6 +157,17 @@ def test_events_between_counts_the_periodic_and_the_final_event():
   assert budget.events_between(0, 10, 0) == 0
 
 
+def fitted_tiny_config(minutes: float, warmup_steps: int, eval_every: int):
+  """The tiny Sudoku config fitted to `minutes` (num_train_steps=0), with a cheap periodic
+  evaluation every `eval_every` steps."""
+  config = tiny_sudoku_config(workdir_steps=0)
+  config.max_train_minutes = minutes
+  config.optimizer.warmup_steps = warmup_steps
+  config.eval.update(dict(every_steps=eval_every, num_puzzles=2, batch_size=2))
+  config.sampler.max_denoising_steps = 2
+  return config
+
+
 def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tmp_path,
                                                                              monkeypatch):
   """num_train_steps=0: the first warmup steps are timed, the count (fixed here at 7 so that the
@@ -175,11 +186,7 @@ def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tm
     return 7
 
   monkeypatch.setattr(budget, "fit_num_steps", fit)
-  config = tiny_sudoku_config(workdir_steps=0)
-  config.max_train_minutes = 30.0
-  config.optimizer.warmup_steps = 3
-  config.eval.update(dict(every_steps=100, num_puzzles=2, batch_size=2))
-  config.sampler.max_denoising_steps = 2
+  config = fitted_tiny_config(minutes=30.0, warmup_steps=3, eval_every=100)
   resumed = str(tmp_path / "resumed")
   loop.train(config, resumed, stop_at=5)
   saved = json.load(open(os.path.join(resumed, "config.json")))
@@ -249,11 +256,7 @@ def test_a_refit_at_the_first_evaluation_follows_the_pace_since_the_calibration(
 
   monkeypatch.setattr(update_step, "make_update_step", slowed)
   monkeypatch.setattr(loop, "time", clock)
-  config = tiny_sudoku_config(workdir_steps=0)
-  config.max_train_minutes = 1.0
-  config.optimizer.warmup_steps = 4
-  config.eval.update(dict(every_steps=12, num_puzzles=2, batch_size=2))
-  config.sampler.max_denoising_steps = 2
+  config = fitted_tiny_config(minutes=1.0, warmup_steps=4, eval_every=12)
   workdir = str(tmp_path / "run")
   loop.train(config, workdir, stop_at=13)
   (invocation,) = provenance.load_run_info(workdir)["invocations"]
