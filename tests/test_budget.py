@@ -357,7 +357,9 @@ def test_a_fitted_run_killed_between_refits_then_rerun_equals_the_uninterrupted_
                             stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 600
     while proc.poll() is None and time.time() < deadline:
-      if os.path.exists(os.path.join(killed, "hanging")) and checkpointing.latest_step(killed):
+      # The step-8 checkpoint is written in the background: wait for it to be complete.
+      if (os.path.exists(os.path.join(killed, "hanging"))
+          and checkpointing.latest_step(killed) == 8):
         break
       time.sleep(0.05)
     assert proc.poll() is None, open(tmp_path / "first.log").read()
