@@ -9,8 +9,6 @@ import sys
 import textwrap
 import time
 
-import pytest
-
 from diffgemma.runs import distributed, supervisor
 
 # What JAX 0.10's client writes when its poll of the lost coordination service fails (measured:
@@ -175,9 +173,8 @@ def wait_until(predicate, timeout_s=10):
     time.sleep(0.01)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and the parent-death "
-                    "signal are Linux's")
 def test_the_child_stops_continues_and_ends_with_its_supervisor():
+  """(Linux: /proc and the parent-death signal, as on CI.)"""
   script = textwrap.dedent("""
       import os, sys, time
       from diffgemma.runs import supervisor
