@@ -60,7 +60,7 @@ def main(argv):
   import jax
 
   from diffgemma.io import model_dirs
-  from diffgemma.model import network
+  from diffgemma.model import transformer
   from diffgemma.model.config import ModelConfig
 
   cfg = ModelConfig(vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value,
@@ -68,13 +68,13 @@ def main(argv):
                     num_kv_heads=4, head_dim=128, global_head_dim=256, num_global_kv_heads=2,
                     num_experts=_EXPERTS.value, top_k_experts=4,
                     moe_intermediate_size=_HIDDEN.value // 2)
-  counts = network.param_counts(cfg)
+  counts = transformer.param_counts(cfg)
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "ckpt")
-    model_dirs.save_hf(cfg, network.init_params(cfg, jax.random.PRNGKey(0)), path,
+    model_dirs.save_hf(cfg, transformer.init_params(cfg, jax.random.PRNGKey(0)), path,
                           max_shard_bytes=_SHARD_MB.value * 2**20)
     on_disk = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / GIB
-    largest = max(x.size for x in jax.tree_util.tree_leaves(network.abstract_params(cfg)))
+    largest = max(x.size for x in jax.tree_util.tree_leaves(transformer.abstract_params(cfg)))
     print(f"model: {counts['total'] / 1e6:.0f}M parameters, {on_disk:.2f} GiB on disk "
           f"(float32), largest tensor {largest * 4 / GIB:.3f} GiB")
     for dtype in ("float32", "bfloat16"):

@@ -7,7 +7,7 @@
 Writes DIR/gpu_suite.md (the table, with device name, date and measured peaks) and
 DIR/gpu_suite.json. Sections:
   (a) kernels against their XLA paths at the 26B-A4B layer shapes (bfloat16, canvas 256, prefix
-      4096, batch 1 and 8): canvas attention on a sliding and a full layer (`network.attend` on a
+      4096, batch 1 and 8): canvas attention on a sliding and a full layer (`layers.attend` on a
       materialised mask vs the Pallas kernel), the expert MLP (`jax.lax.ragged_dot` vs the Pallas
       grouped kernel); achieved TFLOP/s and GB/s, and the share of the roofline floor
       max(FLOPs / peak, bytes / bandwidth) against the peaks measured here (a large matmul, a
@@ -47,7 +47,7 @@ from absl import flags
 
 import pallas_kernels as kernel_bench  # benchmarks/pallas_kernels.py, beside this script
 from diffgemma import cli, errors
-from diffgemma.model import network, quantize
+from diffgemma.model import quantize, transformer
 from diffgemma.runs import provenance
 from diffgemma.sampling import sampler
 from diffgemma.tasks import make_task
@@ -191,7 +191,7 @@ def section_kernels(suite: Suite, cfg: ModelConfig, shapes: dict, repeats: int):
 
 
 def random_params(cfg: ModelConfig):
-  params = network.init_params(cfg, jax.random.PRNGKey(0))
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   jax.block_until_ready(params)
   return params
 
@@ -209,7 +209,7 @@ def unfused_sample(params, cfg: ModelConfig, tempered_BxCxV, rng):
   log_probs = jax.nn.log_softmax(tempered_BxCxV, axis=-1)
   out = (sampler.sample_categorical(rng, log_probs), jnp.argmax(tempered_BxCxV, axis=-1),
          sampler._entropy(log_probs))  # pylint: disable=protected-access
-  return out + (network.self_conditioning_embedding(params, tempered_BxCxV, cfg),)
+  return out + (transformer.self_conditioning_embedding(params, tempered_BxCxV, cfg),)
 
 
 def section_model(suite: Suite, cfg: ModelConfig, shapes: dict, params, repeats: int):
@@ -222,8 +222,8 @@ def section_model(suite: Suite, cfg: ModelConfig, shapes: dict, params, repeats:
   prefill_s = {}
   for on in (True, False):
     mcfg = with_kernels(cfg, on)
-    encode = jax.jit(lambda p, tokens, cache, mcfg=mcfg: network.encode(p, mcfg, tokens, cache))
-    empty = network.init_cache(mcfg, 1, prefix + c)
+    encode = jax.jit(lambda p, tokens, cache, mcfg=mcfg: transformer.encode(p, mcfg, tokens, cache))
+    empty = transformer.init_cache(mcfg, 1, prefix + c)
 
     def prefill():
       seconds = timed(encode, params, prompt, empty, repeats=max(1, repeats // 2))
@@ -232,7 +232,7 @@ def section_model(suite: Suite, cfg: ModelConfig, shapes: dict, params, repeats:
 
     suite.run("b", f"prefill {prefix} tokens B=1", onoff(on), prefill)
     cache = encode(params, prompt, empty)[1]
-    decode = jax.jit(lambda p, x, cache, emb, mcfg=mcfg: network.decode(
+    decode = jax.jit(lambda p, x, cache, emb, mcfg=mcfg: transformer.decode(
         p, mcfg, x, cache, None, None, jnp.ones((x.shape[0],), bool), emb))
     for batch in shapes["batches"]:
       def step(batch=batch):
@@ -414,7 +414,7 @@ def main(argv):
   if sections & {"b", "c", "d"}:
     start = time.perf_counter()
     params = random_params(cfg)
-    print(f"random weights: {network.count_params(params) / 1e9:.2f}B parameters in "
+    print(f"random weights: {transformer.count_params(params) / 1e9:.2f}B parameters in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
   prefill_s = {}
   if "b" in sections:

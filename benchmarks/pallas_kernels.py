@@ -6,7 +6,7 @@
 Measures, in one run: the device's peak (a large matmul's FLOP/s and a large copy's bytes/s),
 then for batch 1 and 8
   * canvas attention (sliding layer: 8 KV heads, head dim 256, window 1024; full layer: 2 KV
-    heads, head dim 512) - XLA (`network.attend` on a materialised mask) against the Pallas kernel;
+    heads, head dim 512) - XLA (`layers.attend` on a materialised mask) against the Pallas kernel;
   * the MoE expert MLP (128 experts, top 8, D 2816, I 704) - `jax.lax.ragged_dot` against the
     Pallas grouped kernel;
   * a whole denoising step of a scaled-down 26B-shaped model (same layer shapes, fewer layers),
@@ -24,7 +24,7 @@ import numpy as np
 from absl import flags
 
 from diffgemma import cli
-from diffgemma.model import attention_mask, network
+from diffgemma.model import attention_mask, layers, transformer
 from diffgemma.model.config import FULL, SLIDING, gemma_26b_a4b
 from diffgemma.model.kernels import attention as attention_kernel
 from diffgemma.model.kernels import moe as moe_kernel
@@ -85,7 +85,7 @@ def bench_attention(cfg, layer_type, batch, prefix, dtype, repeats, rng) -> dict
   limit = anchor + canvas - 1
   pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, slots))
   valid = jnp.ones((batch, slots), bool)
-  xla = jax.jit(lambda q, k, v: network.attend(
+  xla = jax.jit(lambda q, k, v: layers.attend(
       q, k, v, attention_mask.attention_mask(anchor, limit, pos, valid, window)))
   pallas = jax.jit(lambda q, k, v: attention_kernel.canvas_attention(
       q, k, v, anchor, limit, pos, valid, window))
@@ -121,7 +121,7 @@ def bench_moe(cfg, batch, dtype, repeats, rng) -> dict:
 
   def xla_fn(x, gate_up, down):
     gate, up = jnp.split(jax.lax.ragged_dot(x, gate_up, group_sizes), 2, axis=-1)
-    y = jax.lax.ragged_dot(network.gelu_tanh(gate) * up, down, group_sizes)
+    y = jax.lax.ragged_dot(layers.gelu_tanh(gate) * up, down, group_sizes)
     return y * row_weights[:, None].astype(y.dtype)
 
   xla = jax.jit(xla_fn)
@@ -143,8 +143,8 @@ def bench_moe(cfg, batch, dtype, repeats, rng) -> dict:
 
 def bench_denoising_step(cfg, batch, prefix, repeats, rng):
   """One decoder pass over a canvas against a filled cache: XLA path against Pallas kernels."""
-  params = network.init_params(cfg, rng)
-  cache = network.init_cache(cfg, batch, prefix + cfg.canvas_length)
+  params = transformer.init_params(cfg, rng)
+  cache = transformer.init_cache(cfg, batch, prefix + cfg.canvas_length)
   filled = jnp.ones((batch, prefix), bool)
   keys = jax.random.split(rng, 2 + 2 * cfg.num_layers)
   for i, layer_cache in enumerate(cache["layers"]):
@@ -157,7 +157,7 @@ def bench_denoising_step(cfg, batch, prefix, repeats, rng):
   results = {}
   for name, variant in (("xla", cfg.replace(moe_impl="ragged_dot", attention_impl="xla")),
                         ("pallas", cfg.replace(moe_impl="pallas", attention_impl="pallas"))):
-    step = jax.jit(lambda p, x, c, variant=variant: network.decode(p, variant, x, c))
+    step = jax.jit(lambda p, x, c, variant=variant: transformer.decode(p, variant, x, c))
     results[name] = (step(params, canvas, cache), timed(step, params, canvas, cache,
                                                         repeats=repeats))
   err = float(jnp.max(jnp.abs(results["xla"][0] - results["pallas"][0])))

@@ -8,8 +8,9 @@
 `--program`: the config's SFT update step (default); the sampler's decoder step (one bidirectional
 pass over a canvas of `--batch` rows against a cache holding their encoded prompts); or `generate`
 (the whole jitted sampler, `--batch` prompts of the config's prompt length, its sampler section).
-The sampler programs use only `network` and `sampler`, whose API every tree since the Flax port
-shares, so they time trees from before it too. Each variant also reports its first call's time
+The sampler programs use only the model's entry points (`transformer`; `network` in trees from
+before its split) and `sampler`, whose API every tree since the Flax port shares, so they time
+trees from before it too. Each variant also reports its first call's time
 less its median warm call: the compile time.
 
 Each `--variant=LABEL:SOURCE[:ENV]` is one process: SOURCE is `.` (this working tree) or a git
@@ -122,12 +123,15 @@ def _sampler_program(config):
   import jax
   import jax.numpy as jnp
 
-  from diffgemma.model import network
+  try:
+    from diffgemma.model import transformer
+  except ImportError:  # a tree from before diffgemma/model/network.py was split
+    from diffgemma.model import network as transformer
   from diffgemma.model.config import ModelConfig
   from diffgemma.sampling import sampler
 
   cfg = ModelConfig(**config.model.to_dict())
-  params = network.init_params(cfg, jax.random.PRNGKey(0))
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   prompt_len = int(config.get("data", {}).get("prompt_len", 81))
   b, c = _BATCH.value, cfg.canvas_length
   prompt = jax.random.randint(jax.random.PRNGKey(1), (b, prompt_len), 3, cfg.vocab_size)
@@ -139,10 +143,10 @@ def _sampler_program(config):
     generate_fn = sampler.make_generate_fn(cfg, sampler_cfg)
     return lambda: jax.block_until_ready(generate_fn(params, prompt, valid,
                                                      jax.random.PRNGKey(2)))
-  cache = network.init_cache(cfg, b, prompt_len + c)
-  _, cache = jax.jit(network.encode, static_argnums=1)(params, cfg, prompt, cache, valid)
+  cache = transformer.init_cache(cfg, b, prompt_len + c)
+  _, cache = jax.jit(transformer.encode, static_argnums=1)(params, cfg, prompt, cache, valid)
   canvas = jax.random.randint(jax.random.PRNGKey(3), (b, c), 3, cfg.vocab_size)
-  decode = jax.jit(network.decode, static_argnums=1)
+  decode = jax.jit(transformer.decode, static_argnums=1)
   return lambda: jax.block_until_ready(decode(params, cfg, canvas, cache))
 
 

@@ -6,7 +6,7 @@ Builds a random tiny DiffusionGemma in transformers (sizes are flags), loads the
 into ours with `hf_weights`, and prints the median time (or rate) of each implementation and
 the speedup (theirs / ours time, i.e. ours/theirs throughput) of
   (a) one decoder step: a canvas with self-conditioning against a cached prompt (ours: jitted
-      `network.decode`; theirs: the forward call of the reference's `_denoising_step`, with the
+      `transformer.decode`; theirs: the forward call of the reference's `_denoising_step`, with the
       attention masks prepared once per canvas as its `generate` does);
   (b) end-to-end generation, tokens/s, with the report's sampler settings (`SamplerConfig`
       defaults; theirs through `generate(generation_config=...)`) at each batch size on the same
@@ -58,7 +58,7 @@ from transformers.cache_utils import DynamicCache
 
 from diffgemma import cli
 from diffgemma.training import diffusion, losses
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.sampling import sampler
 from diffgemma.tasks import Layout
 
@@ -243,12 +243,13 @@ def bench_decoder_step(ref, params, cfg, sampler_cfg, batch: int, prompt_BxP):
   sc_BxCxV = rng.normal(0.0, 3.0, (batch, c, v)).astype(np.float32)
 
   # Ours: the cache `sampler.generate` allocates (prompt + K canvases), holding the prompt.
-  cache = network.init_cache(cfg, batch, p + sampler.num_canvases(cfg, sampler_cfg) * c)
-  _, cache = jax.jit(lambda prm, t, ch: network.encode(prm, cfg, t, ch))(params, prompt_BxP, cache)
+  cache = transformer.init_cache(cfg, batch, p + sampler.num_canvases(cfg, sampler_cfg) * c)
+  _, cache = jax.jit(lambda prm, t, ch: transformer.encode(prm, cfg, t, ch))(params, prompt_BxP,
+                                                                             cache)
   ours_args = (params, jnp.asarray(canvas_BxC, jnp.int32), cache, jnp.asarray(sc_BxCxV))
   # One executable serves the logits check, the operation count and the timing.
-  decode = jax.jit(lambda prm, x, ch, sc: network.decode(prm, cfg, x, ch, None, sc,
-                                                       jnp.ones((x.shape[0],), bool))
+  decode = jax.jit(lambda prm, x, ch, sc: transformer.decode(prm, cfg, x, ch, None, sc,
+                                                           jnp.ones((x.shape[0],), bool))
                    ).lower(*ours_args).compile()
   ours_logits = np.asarray(decode(*ours_args))
 
@@ -470,7 +471,7 @@ def main(argv):
   sampler_cfg = sampler.SamplerConfig(max_new_tokens=_MAX_NEW.value,
                                       fused_step=_FUSED_STEP.value)
   batch_sizes = [int(b) for b in _BATCH_SIZES.value]
-  print(f"model: {network.count_params(params):,} parameters (vocab {cfg.vocab_size}, hidden "
+  print(f"model: {transformer.count_params(params):,} parameters (vocab {cfg.vocab_size}, hidden "
         f"{cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_experts} experts top-"
         f"{cfg.top_k_experts}, canvas {cfg.canvas_length}); weights: std {_WEIGHT_STD.value}, "
         f"branch_scale {_BRANCH_SCALE.value}, token_norm_spread {_TOKEN_NORM_SPREAD.value}")

@@ -41,8 +41,8 @@ The three requests:
                          generation kwargs (temperature, do_sample) are not used: the sampler's
                          settings decide.
   loglikelihood          exact: a causal encoder pass over context + continuation (batched)
-                         and the encoder's next-token head, the pair `network.encode` /
-                         `network.lm_head` that mode="ar" decodes with; the sum of the
+                         and the encoder's next-token head, the pair `transformer.encode` /
+                         `transformer.lm_head` that mode="ar" decodes with; the sum of the
                          continuation's token log-probabilities and whether each is the
                          argmax. A context shared by several continuations (a multiple-choice
                          question's choices) is encoded once and each continuation after it
@@ -93,7 +93,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.model.config import ModelConfig
 
 MODEL_NAME = "diffgemma"
@@ -120,19 +120,20 @@ def token_scores(params, model_cfg: ModelConfig, tokens_BxT, valid_BxT, first_B,
   log-probability the encoder's next-token head gives each (float32 [B, M]) and whether it is
   the head's argmax (bool [B, M]), M = num_scored.
 
-  One causal encoder pass over the right-padded rows (`network.encode`, padding never attended,
-  positions from 0), then `network.lm_head` on the scored positions only, SCORE_CHUNK at a time.
+  One causal encoder pass over the right-padded rows (`transformer.encode`, padding never
+  attended, positions from 0), then `transformer.lm_head` on the scored positions only,
+  SCORE_CHUNK at a time.
   Positions past a row's end are clamped (their scores are garbage for the caller to drop).
   """
   b, t = tokens_BxT.shape
-  cache = network.init_cache(model_cfg, b, t)
-  hidden_BxTxD, _ = network.encode(params, model_cfg, tokens_BxT, cache, valid_BxT)
+  cache = transformer.init_cache(model_cfg, b, t)
+  hidden_BxTxD, _ = transformer.encode(params, model_cfg, tokens_BxT, cache, valid_BxT)
   pos_BxM = jnp.minimum(first_B[:, None] + jnp.arange(num_scored), t - 2)
   chunk = min(num_scored, SCORE_CHUNK)
 
   def score(pos_BxK):
     h_BxKxD = jnp.take_along_axis(hidden_BxTxD, pos_BxK[..., None], axis=1)
-    logits_BxKxV = network.lm_head(params, h_BxKxD, model_cfg)
+    logits_BxKxV = transformer.lm_head(params, h_BxKxD, model_cfg)
     target_BxK = jnp.take_along_axis(tokens_BxT, pos_BxK + 1, axis=1)
     logp_BxKxV = jax.nn.log_softmax(logits_BxKxV, axis=-1)
     logp_BxK = jnp.take_along_axis(logp_BxKxV, target_BxK[..., None], axis=-1)[..., 0]
@@ -157,14 +158,14 @@ def choice_scores(params, model_cfg: ModelConfig, context_BxT, context_valid_BxT
   float32 [B, C, M] and argmax matches bool [B, C, M]; padding slots hold garbage."""
   b, t = context_BxT.shape
   m = choices_BxCxM.shape[2]
-  cache = network.init_cache(model_cfg, b, t + m)
-  hidden_BxTxD, cache = network.encode(params, model_cfg, context_BxT, cache, context_valid_BxT)
+  cache = transformer.init_cache(model_cfg, b, t + m)
+  hidden_BxTxD, cache = transformer.encode(params, model_cfg, context_BxT, cache, context_valid_BxT)
 
   def score(args):
     choice_BxM, valid_BxM = args
-    hidden_BxMxD, _ = network.encode(params, model_cfg, choice_BxM, cache, valid_BxM)
+    hidden_BxMxD, _ = transformer.encode(params, model_cfg, choice_BxM, cache, valid_BxM)
     h_BxMxD = jnp.concatenate([hidden_BxTxD[:, -1:], hidden_BxMxD[:, :-1]], axis=1)
-    logits_BxMxV = network.lm_head(params, h_BxMxD, model_cfg)
+    logits_BxMxV = transformer.lm_head(params, h_BxMxD, model_cfg)
     logp_BxMxV = jax.nn.log_softmax(logits_BxMxV, axis=-1)
     logp_BxM = jnp.take_along_axis(logp_BxMxV, choice_BxM[..., None], axis=-1)[..., 0]
     return logp_BxM, jnp.argmax(logits_BxMxV, axis=-1) == choice_BxM

@@ -74,7 +74,7 @@ def make_probe(model_cfg, layout, stop_ids, noise_schedule: str):
   import jax
   import jax.numpy as jnp
 
-  from diffgemma.model import network
+  from diffgemma.model import transformer
   from diffgemma.training import diffusion, losses
 
   c, p = layout.canvas_length, layout.prompt_len
@@ -84,14 +84,15 @@ def make_probe(model_cfg, layout, stop_ids, noise_schedule: str):
   @jax.jit
   def probe(params, tokens_NxL, valid_NxL, mask_NxL, stop_canvas_N, end_N, t, rng):
     n = tokens_NxL.shape[0]
-    _, cache = network.encode(params, model_cfg, tokens_NxL[:, :encode_len],
-                            network.init_cache(model_cfg, n, encode_len), valid_NxL[:, :encode_len])
+    _, cache = transformer.encode(params, model_cfg, tokens_NxL[:, :encode_len],
+                                  transformer.init_cache(model_cfg, n, encode_len),
+                                  valid_NxL[:, :encode_len])
     start_N = p + stop_canvas_N * c
     clean_NxC = losses.take_canvas(tokens_NxL, start_N, c)
     mask_NxC = losses.take_canvas(mask_NxL, start_N, c)
     noisy_NxC = diffusion.corrupt(rng, clean_NxC, jnp.full((n,), t), model_cfg.vocab_size,
                                   noise_schedule, mask_NxC)
-    logits = network.decode(params, model_cfg, noisy_NxC, cache, start_N)
+    logits = transformer.decode(params, model_cfg, noisy_NxC, cache, start_N)
     predicted_NxC = jnp.argmax(logits, -1)
     is_stop = jnp.isin(predicted_NxC, stop_ids)
     first_stop_N = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1), c)
@@ -114,7 +115,7 @@ def make_encoder_probe(model_cfg, layout, stop_ids):
   import jax
   import jax.numpy as jnp
 
-  from diffgemma.model import network
+  from diffgemma.model import transformer
 
   p = layout.prompt_len
   length = p + layout.num_canvases * layout.canvas_length
@@ -123,10 +124,9 @@ def make_encoder_probe(model_cfg, layout, stop_ids):
   @jax.jit
   def probe(params, tokens_NxL, valid_NxL, stop_canvas_N, end_N):
     n = tokens_NxL.shape[0]
-    hidden, _ = network.encode(params, model_cfg, tokens_NxL, network.init_cache(model_cfg, n,
-                                                                                 length),
-                               valid_NxL)
-    log_probs_NxLxV = jax.nn.log_softmax(network.lm_head(params, hidden, model_cfg), -1)
+    hidden, _ = transformer.encode(params, model_cfg, tokens_NxL,
+                                   transformer.init_cache(model_cfg, n, length), valid_NxL)
+    log_probs_NxLxV = jax.nn.log_softmax(transformer.lm_head(params, hidden, model_cfg), -1)
     stop_prob_NxL = jnp.exp(jax.nn.logsumexp(log_probs_NxLxV[..., stop_ids], -1))
     argmax_stop_NxL = jnp.isin(jnp.argmax(log_probs_NxLxV, -1), stop_ids)
     # Position q predicts slot q + 1: the reply's first token is predicted at p - 1, and the

@@ -46,14 +46,14 @@ def main(argv):
   import jax
 
   from diffgemma.io import model_dirs
-  from diffgemma.model import network
+  from diffgemma.model import transformer
 
   kind = model_dirs.directory_kind(source)
   out_format = _FORMAT.value or ("orbax" if kind == model_dirs.HF else "hf")
   overrides = {} if _CANVAS.value is None else {"canvas_length": _CANVAS.value}
   cfg, params = model_dirs.load_model(source, dtype=_DTYPE.value,
                                          rng=jax.random.PRNGKey(_SEED.value), **overrides)
-  counts = network.param_counts(cfg)
+  counts = transformer.param_counts(cfg)
   print(f"loaded {source} ({kind}): {counts['total'] / 1e9:.3f}B parameters, "
         f"{counts['active'] / 1e9:.3f}B active per token, {cfg.param_dtype}")
   if out_format == "hf":

@@ -10,7 +10,7 @@ The decoder-only self-conditioning block is listed separately and not in the tot
 from absl import flags
 
 from diffgemma import cli
-from diffgemma.model import config, network
+from diffgemma.model import config, transformer
 
 _PRESET = flags.DEFINE_enum("preset", "gemma_26b_a4b", sorted(config.PRESETS), "Model preset.")
 
@@ -18,7 +18,7 @@ _PRESET = flags.DEFINE_enum("preset", "gemma_26b_a4b", sorted(config.PRESETS), "
 def main(argv):
   del argv
   cfg = config.PRESETS[_PRESET.value]()
-  counts = network.param_counts(cfg)
+  counts = transformer.param_counts(cfg)
   print(f"preset {_PRESET.value}: {cfg.num_layers} layers, {cfg.num_experts} experts "
         f"(top {cfg.top_k_experts}), hidden {cfg.hidden_size}")
   for name in ("total", "active", "embedding", "experts", "self_conditioning"):

@@ -113,7 +113,7 @@ def make_probe(model_cfg, noise_schedule: str, prompt_len: int):
   import jax
   import jax.numpy as jnp
 
-  from diffgemma.model import attention_probe, network
+  from diffgemma.model import attention_probe, transformer
   from diffgemma.training import diffusion, losses
 
   cfg = attention_probe.recordable(model_cfg)
@@ -122,12 +122,12 @@ def make_probe(model_cfg, noise_schedule: str, prompt_len: int):
   @jax.jit
   def probe(params, prompt_NxP, valid_NxP, clean_NxC, given_NxC, t, rng):
     n = clean_NxC.shape[0]
-    _, cache = network.encode(params, cfg, prompt_NxP, network.init_cache(cfg, n, prompt_len),
-                            valid_NxP)
+    _, cache = transformer.encode(params, cfg, prompt_NxP,
+                                  transformer.init_cache(cfg, n, prompt_len), valid_NxP)
     noisy_NxC = diffusion.corrupt(rng, clean_NxC, jnp.full((n,), t), cfg.vocab_size,
                                   noise_schedule)
     with attention_probe.record_attention() as probs:
-      logits = network.decode(params, cfg, noisy_NxC, cache)
+      logits = transformer.decode(params, cfg, noisy_NxC, cache)
     correct_NxC = jnp.argmax(logits, -1) == clean_NxC
     # A replacement may draw the clean token again: that cell shows its answer, not noise.
     replaced_NxC = noisy_NxC != clean_NxC

@@ -175,12 +175,12 @@ def save_sft_run(sft, workdir):
   argmaxes within a few steps), so the replay checks need a tame one, as a trained model is.
   """
   import jax
-  from diffgemma.model import network
+  from diffgemma.model import transformer
   from diffgemma.runs import checkpointing
   from diffgemma.training import training_state
 
   setup = setup_of(sft)
-  params = network.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
+  params = transformer.init_params(setup.model_cfg, jax.random.key(0, impl="rbg"))
   checkpointing.save_config(workdir, sft)
   with checkpointing.manager(workdir) as mngr:
     checkpointing.save(mngr, 0, training_state.init_state(setup, params))

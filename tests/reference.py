@@ -107,12 +107,12 @@ class ReferenceSession:
 
 def max_logit_diff(ref_model, cfg, params, seed=0):
   """Max |ours - reference| over encoder logits of a padded prompt and decoder logits of one
-  canvas with self-conditioning on half of the rows (ours: network.encode / decode of `cfg` on
+  canvas with self-conditioning on half of the rows (ours: transformer.encode / decode of `cfg` on
   `params`, jitted: one compile per config instead of op-by-op dispatch)."""
   import jax
   import jax.numpy as jnp
 
-  from diffgemma.model import network
+  from diffgemma.model import transformer
 
   rng = np.random.default_rng(seed)
   batch, prompt_len, canvas_len = 2, 11, cfg.canvas_length
@@ -125,10 +125,10 @@ def max_logit_diff(ref_model, cfg, params, seed=0):
 
   @jax.jit
   def ours(params, prompt, valid, canvas, sc, sc_mask):
-    cache = network.init_cache(cfg, batch, prompt_len + canvas_len)
-    hidden, cache = network.encode(params, cfg, prompt, cache, valid)
-    return (network.lm_head(params, hidden, cfg),
-            network.decode(params, cfg, canvas, cache, None, sc, sc_mask))
+    cache = transformer.init_cache(cfg, batch, prompt_len + canvas_len)
+    hidden, cache = transformer.encode(params, cfg, prompt, cache, valid)
+    return (transformer.lm_head(params, hidden, cfg),
+            transformer.decode(params, cfg, canvas, cache, None, sc, sc_mask))
 
   enc, dec = ours(params, *map(jnp.asarray, (prompt, valid, canvas, sc, sc_mask)))
   session = ReferenceSession(ref_model, valid)

@@ -24,7 +24,7 @@ from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as ref_generation
 
 from diffgemma.io import hf_weights
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.model.config import ModelConfig
 from diffgemma.sampling import sampler
 
@@ -93,7 +93,7 @@ def state_dict_numpy(ref) -> dict[str, np.ndarray]:
 def load_ours(ref, **overrides):
   """(our ModelConfig, our params on device) holding the reference's weights."""
   cfg = hf_weights.config_from_hf(ref.config.to_dict(), **overrides)
-  params = hf_weights.params_from_hf(state_dict_numpy(ref), cfg, network.abstract_params(cfg))
+  params = hf_weights.params_from_hf(state_dict_numpy(ref), cfg, transformer.abstract_params(cfg))
   return cfg, jax.tree_util.tree_map(jnp.asarray, params)
 
 

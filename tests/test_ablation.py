@@ -297,13 +297,13 @@ def sampled():
   confidence threshold between its rows' entropies, rows stop after different step counts."""
   import jax
 
-  from diffgemma.model import network
+  from diffgemma.model import transformer
   from diffgemma.model.config import tiny
   from diffgemma.sampling import sampler
   from diffgemma.tasks import sudoku
 
   cfg = tiny(vocab_size=16, canvas_length=81, num_layers=2, layer_types=(), sliding_window=256)
-  params = network.init_params(cfg, jax.random.PRNGKey(0), std=1.0)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0), std=1.0)
   puzzles, solutions = sudoku_puzzles.generate_puzzles(0, 4, 40, 40)
   prompts = sudoku.puzzle_prompts(puzzles, solutions, "digits")
   sampler_cfg = sampler.SamplerConfig(max_denoising_steps=12, max_new_tokens=81,

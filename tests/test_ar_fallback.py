@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from diffgemma.model import config, network
+from diffgemma.model import config, transformer
 from diffgemma.sampling import sampler
 
 CFG = config.tiny(num_layers=2, layer_types=())  # canvas 8, vocab 64
@@ -18,7 +18,7 @@ MAX_NEW = 3 * CFG.canvas_length
 
 @pytest.fixture(scope="module")
 def params():
-  return network.init_params(CFG, jax.random.key(0, impl="rbg"))
+  return transformer.init_params(CFG, jax.random.key(0, impl="rbg"))
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +84,9 @@ def test_ar_canvas_leaves_other_rows_alone(params, ar):
 
   @jax.jit
   def decode(params):
-    cache = network.init_cache(CFG, b, p + CFG.canvas_length)
-    hidden, cache = network.encode(params, CFG, PROMPT, cache, VALID)
-    logits = network.lm_head(params, hidden[:, -1], CFG)
+    cache = transformer.init_cache(CFG, b, p + CFG.canvas_length)
+    hidden, cache = transformer.encode(params, CFG, PROMPT, cache, VALID)
+    logits = transformer.lm_head(params, hidden[:, -1], CFG)
     return sampler.ar_canvas(params, CFG, cfg, cache, logits, rows, canvas,
                              jax.random.PRNGKey(0))
 

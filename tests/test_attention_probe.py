@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma.model import attention_probe, network
+from diffgemma.model import attention_probe, layers, transformer
 from diffgemma.model.config import SLIDING, tiny
 
 ENCODED_LEN = 12  # cache slots the decoder reads in the decoder test
@@ -25,7 +25,7 @@ def test_recorded_probabilities_reproduce_attend():
   assert probs.shape == (b, h, t, s)
   v_rep = np.repeat(np.asarray(v, np.float64), h // kv, axis=2)  # head h reads kv head h // 2
   expected = np.einsum("bhts,bshd->bthd", probs, v_rep)
-  np.testing.assert_allclose(np.asarray(network.attend(q, k, v, mask)), expected, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(layers.attend(q, k, v, mask)), expected, atol=1e-5)
   np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-6)
   assert np.all(probs[~np.broadcast_to(np.asarray(mask)[:, None], probs.shape)] == 0)
 
@@ -33,24 +33,24 @@ def test_recorded_probabilities_reproduce_attend():
 def test_recording_leaves_decoder_logits_unchanged():
   cfg = attention_probe.recordable(tiny(remat="full"))
   assert cfg.remat == "none" and cfg.attention_impl == "xla"
-  params = network.init_params(cfg, jax.random.PRNGKey(1), std=0.3)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(1), std=0.3)
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, ENCODED_LEN), 3, cfg.vocab_size)
   canvas = jax.random.randint(jax.random.PRNGKey(3), (2, cfg.canvas_length), 0, cfg.vocab_size)
-  _, cache = network.encode(params, cfg, tokens, network.init_cache(cfg, 2, ENCODED_LEN))
-  decode = jax.jit(lambda p, c: network.decode(p, cfg, c, cache))
-  original_attend = network.attend
+  _, cache = transformer.encode(params, cfg, tokens, transformer.init_cache(cfg, 2, ENCODED_LEN))
+  decode = jax.jit(lambda p, c: transformer.decode(p, cfg, c, cache))
+  original_attend = layers.attend
   plain = decode(params, canvas)
 
   @jax.jit
   def recorded(p, c):
     with attention_probe.record_attention() as probs:
-      logits = network.decode(p, cfg, c, cache)
+      logits = transformer.decode(p, cfg, c, cache)
     return logits, probs
 
   logits, probs = recorded(params, canvas)
   # Same computation; the extra outputs only change XLA's fusion (float32 rounding, ~1e-5).
   np.testing.assert_allclose(logits, plain, rtol=1e-4, atol=1e-4)
-  assert network.attend is original_attend  # restored after the block
+  assert layers.attend is original_attend  # restored after the block
   assert len(probs) == cfg.num_layers
   for i, p in enumerate(probs):
     # Keys: the cache slots then the canvas; sliding layers see only the last window - 1

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.model.config import ModelConfig
 from diffgemma.tasks import make_task
 from diffgemma.training import diffusion
@@ -37,7 +37,7 @@ def test_probe_shares_equal_a_brute_force_count(tmp_path):
   task = make_task(config)
   cfg = ModelConfig(**{**config.model.to_dict(), "hidden_size": 32, "intermediate_size": 32,
                        "num_layers": 2, "layer_types": (), "moe_intermediate_size": 16})
-  params = network.init_params(cfg, jax.random.PRNGKey(1))
+  params = transformer.init_params(cfg, jax.random.PRNGKey(1))
   batch = diag.stop_canvas_batch(task, path, num=8)
   probe = diag.make_probe(cfg, task.layout, task.stop_token_ids, "linear")
   rng = jax.random.PRNGKey(3)
@@ -53,11 +53,12 @@ def test_probe_shares_equal_a_brute_force_count(tmp_path):
 
   @jax.jit
   def predict(params):
-    _, cache = network.encode(params, cfg, tokens[:, :encode_len],
-                            network.init_cache(cfg, 8, encode_len), valid[:, :encode_len])
+    _, cache = transformer.encode(params, cfg, tokens[:, :encode_len],
+                                  transformer.init_cache(cfg, 8, encode_len),
+                                  valid[:, :encode_len])
     noisy = diffusion.corrupt(rng, clean, jnp.full((8,), 0.6), cfg.vocab_size, "linear",
                               canvas_mask)
-    return jnp.argmax(network.decode(params, cfg, noisy, cache, start), -1)
+    return jnp.argmax(transformer.decode(params, cfg, noisy, cache, start), -1)
 
   predicted = np.asarray(predict(params))
   exact = early = late = correct = total = 0
@@ -83,7 +84,7 @@ def test_encoder_probe_against_a_loop_over_designed_logits(tmp_path, monkeypatch
   task = make_task(config)
   cfg = ModelConfig(**{**config.model.to_dict(), "hidden_size": 32, "intermediate_size": 32,
                        "num_layers": 1, "layer_types": (), "moe_intermediate_size": 16})
-  params = network.init_params(cfg, jax.random.PRNGKey(1))
+  params = transformer.init_params(cfg, jax.random.PRNGKey(1))
   tokens, valid, _, stop_canvas, end = diag.stop_canvas_batch(task, path, num=8)
   n, length = tokens.shape
   eot = task.tokenizer.eot_id
@@ -95,7 +96,7 @@ def test_encoder_probe_against_a_loop_over_designed_logits(tmp_path, monkeypatch
       logits[i, ends[i], eot] = 30.0
     if i in (2, 4):
       logits[i, ends[i] - 1, eot] = 20.0
-  monkeypatch.setattr(network, "lm_head", lambda params, h, cfg: jnp.asarray(logits))
+  monkeypatch.setattr(transformer, "lm_head", lambda params, h, cfg: jnp.asarray(logits))
   out = diag.make_encoder_probe(cfg, task.layout, task.stop_token_ids)(params, tokens, valid,
                                                                           stop_canvas, end)
   jax.clear_caches()

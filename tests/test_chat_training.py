@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from diffgemma.io import model_dirs
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.model.config import tiny
 from diffgemma.runs import checkpointing
 from diffgemma.sampling import sampler
@@ -34,7 +34,7 @@ def reply_length(prompt, reply, reference):
 def tiny_hf_checkpoint(directory):
   """A transformers DiffusionGemma directory whose vocabulary is its tokenizer's."""
   cfg = tiny(vocab_size=64, canvas_length=8, num_layers=2, layer_types=())
-  params = network.init_params(cfg, jax.random.PRNGKey(0))
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   model_dirs.save_hf(cfg, params, str(directory))
   write_tokenizer_json(directory, vocab_size=64, template=GEMMA_LIKE_TEMPLATE)
   return str(directory)

@@ -12,7 +12,7 @@ import torch
 from transformers import DiffusionGemmaForBlockDiffusion
 
 from diffgemma.io import model_dirs, hf_weights, safetensors_dir
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.model.config import gemma_26b_a4b
 from tests import reference
 
@@ -63,7 +63,7 @@ def test_export_loads_in_transformers_and_round_trips(saved_reference, tmp_path)
   _, path = saved_reference
   cfg = hf_weights.config_from_hf(json.load(open(os.path.join(path, "config.json"))))
   # Our own random weights (not the imported ones), perturbed like the reference's.
-  params = network.init_params(cfg, jax.random.PRNGKey(3), 0.2)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(3), 0.2)
   params = jax.tree_util.tree_map(
       lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), params)
   out = str(tmp_path / "export")
@@ -147,19 +147,20 @@ def test_gemma4_import_loads_every_backbone_tensor(tmp_path):
     if is_backbone:
       np.testing.assert_array_equal(layout.to_hf(np.asarray(leaf)),
                                     state["model.language_model." + name])
-  expected_sc = network.init_self_conditioning(cfg, jax.random.PRNGKey(9))
+  expected_sc = transformer.init_self_conditioning(cfg, jax.random.PRNGKey(9))
   assert _leaves_equal(params["self_conditioning"], expected_sc)
   # The imported backbone, run as our causal encoder, is the Gemma 4 AR model.
   tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 13))
   with torch.no_grad():
     theirs = ref(input_ids=torch.as_tensor(tokens)).logits.numpy()
-  hidden, _ = network.encode(params, cfg, jnp.asarray(tokens), network.init_cache(cfg, 2, 13))
-  np.testing.assert_array_less(np.abs(np.asarray(network.lm_head(params, hidden, cfg)) - theirs)
+  hidden, _ = transformer.encode(params, cfg, jnp.asarray(tokens),
+                                 transformer.init_cache(cfg, 2, 13))
+  np.testing.assert_array_less(np.abs(np.asarray(transformer.lm_head(params, hidden, cfg)) - theirs)
                                .max(), TOL)
 
 
 def test_preset_parameter_counts_match_the_report():
-  counts = network.param_counts(gemma_26b_a4b())
+  counts = transformer.param_counts(gemma_26b_a4b())
   assert f"{counts['total'] / 1e9:.3g}" == "25.2"  # report: 25.2B total
   assert f"{counts['active'] / 1e9:.2g}" == "3.8"  # report: 3.8B active (ours: 3.82B)
 

@@ -9,7 +9,7 @@ import os, sys
 import chex; chex.set_n_cpu_devices(2)  # two simulated host devices, before jax starts
 sys.path.insert(0, os.getcwd())
 import jax, jax.numpy as jnp, numpy as np
-from diffgemma.model import lora, network, sharding
+from diffgemma.model import lora, moe, sharding, transformer
 from diffgemma.model.config import tiny
 from diffgemma.tasks import make_task
 from diffgemma.training import training_state, update_step
@@ -26,7 +26,7 @@ def close(a, b, tol):
 _LAYER = _PRELUDE + """
 cfg = tiny(num_experts=8, top_k_experts=3, moe_impl="tiled", moe_tile_size=4)
 ep_cfg = cfg.replace(moe_impl="expert_parallel")
-layer = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]
+layer = transformer.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]
 shard_cfg = sharding.ShardingConfig(fsdp=2, rules={"experts": "fsdp"})
 mesh = sharding.make_mesh(shard_cfg)
 
@@ -46,10 +46,10 @@ def layer_grads(x, weights, index, experts, parallel, wrap=None):
     e = experts if wrap is None else wrap(experts)
     if parallel:
       with sharding.activation_rules(mesh, shard_cfg.rules):
-        y = network.moe_expert_parallel(x, weights, index, e, ep_cfg)
+        y = moe.moe_expert_parallel(x, weights, index, e, ep_cfg)
     else:
       flat = lambda a: a.reshape(-1, a.shape[-1])
-      y = network.moe(flat(x), flat(weights), flat(index), e, cfg).reshape(x.shape)
+      y = moe.moe(flat(x), flat(weights), flat(index), e, cfg).reshape(x.shape)
     return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
   if parallel:
     experts = jax.device_put(experts, sharding.tree_shardings(experts, mesh, shard_cfg.rules))
@@ -83,7 +83,7 @@ print("lora ok")
 try:
   bad = sharding.ShardingConfig(fsdp=2)  # default rules: experts on "expert", embed on fsdp
   with sharding.activation_rules(sharding.make_mesh(bad), bad.rules):
-    jax.eval_shape(lambda: network.moe_expert_parallel(x, weights, index, layer["experts"], ep_cfg))
+    jax.eval_shape(lambda: moe.moe_expert_parallel(x, weights, index, layer["experts"], ep_cfg))
   raise SystemExit("no error")
 except ValueError as e:
   assert "rules.experts" in str(e), e

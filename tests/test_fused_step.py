@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.model.config import FULL, SLIDING, tiny
 from diffgemma.sampling import sampler
 
@@ -23,10 +23,10 @@ def test_fused_step_equals_the_unfused_step_along_a_trajectory():
   next, so float rounding differences grow about 3x per step with random weights.)
   """
   model_cfg = tiny(canvas_length=8, moe_impl="tiled", **DEPTH)
-  params = network.init_params(model_cfg, jax.random.PRNGKey(1), 0.3)
-  cache = network.init_cache(model_cfg, 3, 5 + 8)
+  params = transformer.init_params(model_cfg, jax.random.PRNGKey(1), 0.3)
+  cache = transformer.init_cache(model_cfg, 3, 5 + 8)
   prompt = jax.random.randint(jax.random.PRNGKey(2), (3, 5), 3, model_cfg.vocab_size)
-  _, cache = network.encode(params, model_cfg, prompt, cache)
+  _, cache = transformer.encode(params, model_cfg, prompt, cache)
   # A loose confidence threshold, so rows stop at different steps and frozen rows are tested.
   plain_cfg = sampler.SamplerConfig(max_new_tokens=8, max_denoising_steps=10,
                                     confidence_threshold=3.0, stability_threshold=0)
@@ -36,7 +36,7 @@ def test_fused_step_equals_the_unfused_step_along_a_trajectory():
   state = sampler.init_denoise_state(params, model_cfg, plain_cfg, jax.random.PRNGKey(0), 3)
   for n in range(plain_cfg.max_denoising_steps):
     rng = jax.random.PRNGKey(100 + n)
-    embedding = jnp.where(state.step > 0, network.self_conditioning_embedding(
+    embedding = jnp.where(state.step > 0, transformer.self_conditioning_embedding(
         params, state.self_cond_BxCxV, model_cfg), 0.0)
     fused_state = state._replace(self_cond_BxCxV=state.self_cond_BxCxV[..., :0],
                                  self_cond_embedding_BxCxD=embedding)
@@ -59,7 +59,7 @@ def test_fused_generate_equals_the_unfused_generate_and_top_k_runs():
   vocab_size (it truncates nothing). With top_k < V the draws differ by design; the run keeps
   the same shapes and bookkeeping invariants."""
   model_cfg = tiny(canvas_length=8, moe_impl="tiled", **DEPTH)
-  params = network.init_params(model_cfg, jax.random.PRNGKey(1))
+  params = transformer.init_params(model_cfg, jax.random.PRNGKey(1))
   prompt = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 3, model_cfg.vocab_size)
 
   def generate(**kw):
@@ -84,7 +84,7 @@ def test_fused_generate_equals_the_unfused_generate_and_top_k_runs():
 
 def test_top_k_truncation_matches_float64():
   model_cfg = tiny()
-  params = network.init_params(model_cfg, jax.random.PRNGKey(2), 0.5)
+  params = transformer.init_params(model_cfg, jax.random.PRNGKey(2), 0.5)
   top_k = 5
   tempered = jax.random.normal(jax.random.PRNGKey(3), (3, 4, model_cfg.vocab_size)) * 3.0
   sampled, argmax, entropy, embedding = jax.jit(

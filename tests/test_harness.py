@@ -19,7 +19,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from diffgemma import errors, harness  # noqa: E402
-from diffgemma.model import network  # noqa: E402
+from diffgemma.model import transformer  # noqa: E402
 from diffgemma.sampling import sampler  # noqa: E402
 from diffgemma.training import evaluation, loaded  # noqa: E402
 from tests.helpers import (byte_ids, chat, run, save_sft_run, tiny_chat_config,  # noqa: E402
@@ -91,9 +91,9 @@ def test_generate_until_is_eval_py_token_for_token(workdir, data, mode):
 @functools.partial(jax.jit, static_argnums=1)
 def encoder_logits(params, model_cfg, tokens_1xT):
   """The encoder's next-token logits [1, T, V] of one unpadded sequence."""
-  cache = network.init_cache(model_cfg, 1, tokens_1xT.shape[1])
-  hidden, _ = network.encode(params, model_cfg, tokens_1xT, cache)
-  return network.lm_head(params, hidden, model_cfg)
+  cache = transformer.init_cache(model_cfg, 1, tokens_1xT.shape[1])
+  hidden, _ = transformer.encode(params, model_cfg, tokens_1xT, cache)
+  return transformer.lm_head(params, hidden, model_cfg)
 
 
 def reference_logprob(params, model_cfg, seq, n):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma.model import config, network
+from diffgemma.model import config, transformer
 from diffgemma.sampling import sampler
 
 CFG = config.tiny(num_layers=2, layer_types=())  # canvas 8, vocab 64
@@ -18,7 +18,7 @@ VALID = PROMPT != PAD
 
 @pytest.fixture(scope="module")
 def params():
-  return network.init_params(CFG, jax.random.key(0, impl="rbg"))
+  return transformer.init_params(CFG, jax.random.key(0, impl="rbg"))
 
 
 def test_infill_never_changes_prefix_or_suffix(params):
@@ -64,9 +64,9 @@ def brute_force_canvas(params, cfg, rng, fixed, mask):
   the entropy 0. The decoder and the temperature schedule are the model's and the sampler's
   (checked against transformers elsewhere); the keys are derived as generate derives them."""
   b = PROMPT.shape[0]
-  cache = network.init_cache(CFG, b, PROMPT.shape[1] + C)
-  _, cache = network.encode(params, CFG, jnp.asarray(PROMPT), cache, jnp.asarray(VALID))
-  decode = jax.jit(lambda x, sc, m: network.decode(params, CFG, x, cache, None, sc, m))
+  cache = transformer.init_cache(CFG, b, PROMPT.shape[1] + C)
+  _, cache = transformer.encode(params, CFG, jnp.asarray(PROMPT), cache, jnp.asarray(VALID))
+  decode = jax.jit(lambda x, sc, m: transformer.decode(params, CFG, x, cache, None, sc, m))
   init_key, loop_key = jax.random.split(jax.random.fold_in(rng, 0))
   canvas = np.where(mask, fixed, np.asarray(jax.random.randint(init_key, (b, C), 0, V)))
   argmax = canvas.copy()

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma.model import attention_mask, network
+from diffgemma.model import attention_mask, layers
 from diffgemma.model.kernels.attention import canvas_attention
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -99,7 +99,8 @@ def make_inputs(case: Case, seed: int = 0):
 
 
 def reference(q, k, v, anchor, limit, kv_pos, kv_valid, window):
-  return network.attend(q, k, v, attention_mask.attention_mask(anchor, limit, kv_pos, kv_valid, window))
+  return layers.attend(q, k, v, attention_mask.attention_mask(anchor, limit, kv_pos, kv_valid,
+                                                              window))
 
 
 def output_and_grads(attention, qkv, cotangent):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma.model import network
+from diffgemma.model import layers, moe
 from diffgemma.model.config import tiny
 from diffgemma.model.kernels import moe as kmoe
 
@@ -57,7 +57,7 @@ def reference_expert_mlp(x, group_sizes, gate_up, down, row_weights):
   valid_M = jnp.arange(m) < int(np.sum(group_sizes))
   hi = jax.lax.Precision.HIGHEST
   gate, up = jnp.split(jnp.einsum("md,mdf->mf", x, gate_up[expert_M], precision=hi), 2, axis=-1)
-  y = jnp.einsum("mi,mid->md", network.gelu_tanh(gate) * up, down[expert_M], precision=hi)
+  y = jnp.einsum("mi,mid->md", layers.gelu_tanh(gate) * up, down[expert_M], precision=hi)
   if row_weights is not None:
     y = y * row_weights[:, None]
   return jnp.where(valid_M[:, None], y, 0.0)
@@ -145,7 +145,7 @@ def test_model_moe_pallas_equals_tiled():
   d, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
   rng = np.random.default_rng(2)
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
-  # The layer's router and experts built directly: network.init_params is slow on 2 CPU cores.
+  # The layer's router and experts built directly: transformer.init_params is slow on 2 CPU cores.
   params = {"router": {"proj": normal(d, e), "scale": 1.0 + normal(d),
                        "per_expert_scale": 1.0 + normal(e)},
             "experts": {"gate_up": normal(e, d, 2 * inter), "down": normal(e, inter, d)}}
@@ -155,7 +155,7 @@ def test_model_moe_pallas_equals_tiled():
 
   def run(combine):
     def layer(x, params):
-      weights, index = network.route(x, params["router"], cfg)
+      weights, index = moe.route(x, params["router"], cfg)
       # Force an expert with no tokens: route everything away from expert 0.
       index = jnp.where(index == 0, 1 + (index + 1) % (e - 1), index)
       return combine(x, weights, index, params["experts"])
@@ -166,8 +166,8 @@ def test_model_moe_pallas_equals_tiled():
 
     return jax.jit(value_and_vjp).lower(x, params).compile()(x, params)
 
-  ours = run(lambda *a: network.moe(*a, cfg.replace(moe_impl="pallas")))
-  ref = run(lambda *a: network.moe(*a, cfg))
+  ours = run(lambda *a: moe.moe(*a, cfg.replace(moe_impl="pallas")))
+  ref = run(lambda *a: moe.moe(*a, cfg))
   for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(ref)):
     assert max_rel_err(a, b) < TOLERANCE[jnp.float32]
   np.testing.assert_allclose(ours[0], ref[0], atol=1e-5)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.model.config import tiny
 
 TOL = 1e-4  # logits are soft-capped at 30; both paths accumulate in float32
@@ -13,7 +13,7 @@ TOL = 1e-4  # logits are soft-capped at 30; both paths accumulate in float32
 def test_encode_and_denoising_step_match_the_xla_path():
   xla_cfg = tiny(canvas_length=8, moe_impl="tiled")
   pallas_cfg = xla_cfg.replace(moe_impl="pallas", attention_impl="pallas")
-  params = network.init_params(xla_cfg, jax.random.PRNGKey(0), 0.2)
+  params = transformer.init_params(xla_cfg, jax.random.PRNGKey(0), 0.2)
   rng = np.random.default_rng(0)
   prompt = jnp.asarray(rng.integers(3, xla_cfg.vocab_size, (2, 13)))
   # Left padding, and a prompt longer than the sliding window (8).
@@ -23,10 +23,11 @@ def test_encode_and_denoising_step_match_the_xla_path():
   outputs = []
   for cfg in (xla_cfg, pallas_cfg):
     def run(params, cfg=cfg):
-      cache = network.init_cache(cfg, 2, 13 + 8)
-      hidden, cache = network.encode(params, cfg, prompt, cache, valid)
-      logits = network.decode(params, cfg, canvas, cache, None, self_cond, jnp.array([True, False]))
-      return network.lm_head(params, hidden, cfg), logits
+      cache = transformer.init_cache(cfg, 2, 13 + 8)
+      hidden, cache = transformer.encode(params, cfg, prompt, cache, valid)
+      logits = transformer.decode(params, cfg, canvas, cache, None, self_cond,
+                                  jnp.array([True, False]))
+      return transformer.lm_head(params, hidden, cfg), logits
 
     outputs.append(jax.jit(run)(params))
   (enc_x, dec_x), (enc_p, dec_p) = outputs

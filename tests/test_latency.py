@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from diffgemma.model import config, network
+from diffgemma.model import config, transformer
 from diffgemma.runs import provenance
 from diffgemma.sampling import sampler
 from diffgemma.training import evaluation
@@ -68,7 +68,7 @@ def test_tiny_model_warm_is_faster_than_cold_and_tokens_per_second_is_consistent
   """evaluate() on a tiny model: the cold call compiles, so it is slower than a warm one, and
   tokens_per_second_warm = the tokens of the warm calls / their seconds."""
   cfg = config.tiny(num_layers=2, layer_types=())
-  params = network.init_params(cfg, jax.random.key(0, impl="rbg"))
+  params = transformer.init_params(cfg, jax.random.key(0, impl="rbg"))
   scfg = sampler.SamplerConfig(max_denoising_steps=2, max_new_tokens=cfg.canvas_length)
 
   class Task:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from diffgemma.io import model_dirs
-from diffgemma.model import lora, network, sharding
+from diffgemma.model import lora, moe, sharding, transformer
 from diffgemma.model.config import tiny
 from diffgemma.runs import checkpointing
 from diffgemma.training import loop
@@ -33,16 +33,16 @@ def _decode_logits(params, cfg):
   prompt = jax.random.randint(rng, (2, 11), 3, cfg.vocab_size)
   canvas = jax.random.randint(jax.random.fold_in(rng, 1), (2, cfg.canvas_length), 3,
                               cfg.vocab_size)
-  cache = network.init_cache(cfg, 2, 11 + cfg.canvas_length)
-  _, cache = network.encode(params, cfg, prompt, cache)
+  cache = transformer.init_cache(cfg, 2, 11 + cfg.canvas_length)
+  _, cache = transformer.encode(params, cfg, prompt, cache)
   sc = jax.random.normal(jax.random.fold_in(rng, 2), (2, cfg.canvas_length, cfg.vocab_size))
-  return network.decode(params, cfg, canvas, cache, self_cond_logits_BxCxV=sc)
+  return transformer.decode(params, cfg, canvas, cache, self_cond_logits_BxCxV=sc)
 
 
 @pytest.mark.parametrize("moe_impl", ["ragged_dot", "tiled"])
 def test_merge_reproduces_the_lora_model(moe_impl):
   cfg = CFG.replace(moe_impl=moe_impl)
-  params = network.init_params(cfg, jax.random.PRNGKey(0))
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   lora_cfg = lora.LoraConfig(enabled=True, rank=3, alpha=6.0)
   adapters = _random_adapters(params, lora_cfg, seed=1)
   with_lora = _decode_logits(lora.wrap(params, adapters, lora_cfg), cfg)
@@ -56,7 +56,7 @@ def test_merge_reproduces_the_lora_model(moe_impl):
 def test_expert_adapter_gradients_agree_across_moe_layouts():
   """Gradients through per-expert adapters (frozen base): the one-tile-per-step scan, whose
   backward skips the base's weight gradient, equals ragged_dot and the batched tiles."""
-  params = network.init_params(CFG, jax.random.PRNGKey(0))
+  params = transformer.init_params(CFG, jax.random.PRNGKey(0))
   lora_cfg = lora.LoraConfig(enabled=True, rank=3, alpha=6.0)
   adapters = _random_adapters(params, lora_cfg, seed=1)
   x = jax.random.normal(jax.random.PRNGKey(2), (19, CFG.hidden_size))
@@ -68,7 +68,7 @@ def test_expert_adapter_gradients_agree_across_moe_layouts():
     def loss(x, adapters):
       experts = lora.wrap(params, adapters, lora_cfg)["layers"][0]["experts"]
       cfg = CFG.replace(moe_impl=impl, moe_tile_size=4)
-      return (network.moe(x, weights, index, experts, cfg) ** 2).sum()
+      return (moe.moe(x, weights, index, experts, cfg) ** 2).sum()
     return jax.grad(loss, (0, 1))(x, adapters)
 
   reference = grads(x, adapters, "ragged_dot")
@@ -93,7 +93,7 @@ def test_merge_weight_matches_float64_numpy():
 
 
 def test_default_targets_cover_every_linear_with_rank_r_factors():
-  params = network.init_params(CFG, jax.random.PRNGKey(0))
+  params = transformer.init_params(CFG, jax.random.PRNGKey(0))
   lora_cfg = lora.LoraConfig(enabled=True, rank=4)
   adapters = lora.init(params, lora_cfg, jax.random.PRNGKey(1))
   leaves = {lora.dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}

@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma.model import attention_mask, network
+from diffgemma.model import attention_mask, moe, transformer
 from diffgemma.model.config import tiny
 
 # Jitted entry points: op-by-op dispatch of a whole model is ~5x slower than one compile.
-encode = jax.jit(network.encode, static_argnums=1)
-decode = jax.jit(network.decode, static_argnums=1)
+encode = jax.jit(transformer.encode, static_argnums=1)
+decode = jax.jit(transformer.decode, static_argnums=1)
 
 
 def test_attention_mask_matches_brute_force_rules():
@@ -35,17 +35,17 @@ def test_attention_mask_matches_brute_force_rules():
                                        (3, "tiled_scan"), (8, "tiled_scan")])
 def test_tiled_moe_equals_ragged_dot_forward_and_grad(tile, impl):
   cfg = tiny(moe_tile_size=tile)
-  layer = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]
+  layer = transformer.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]
   x = jax.random.normal(jax.random.PRNGKey(1), (29, cfg.hidden_size))
-  weights, index = network.route(x, layer["router"], cfg)
+  weights, index = moe.route(x, layer["router"], cfg)
   # Force an expert with no tokens: route everything away from expert 0.
   index = jnp.where(index == 0, 1 + (index + 1) % (cfg.num_experts - 1), index)
 
   def run(impl):
     c = cfg.replace(moe_impl=impl)
-    moe = jax.jit(network.moe, static_argnums=4)
-    f = lambda x, e: moe(x, weights, index, e, c).sum()
-    return moe(x, weights, index, layer["experts"], c), jax.jit(jax.grad(f, (0, 1)))(
+    run_moe = jax.jit(moe.moe, static_argnums=4)
+    f = lambda x, e: run_moe(x, weights, index, e, c).sum()
+    return run_moe(x, weights, index, layer["experts"], c), jax.jit(jax.grad(f, (0, 1)))(
         x, layer["experts"])
 
   (y_t, g_t), (y_r, g_r) = run(impl), run("ragged_dot")
@@ -57,14 +57,14 @@ def test_tiled_moe_equals_ragged_dot_forward_and_grad(tile, impl):
 def test_moe_per_batch_shard_equals_one_sort(impl):
   """Sorting each batch shard's tokens apart (sharded training) changes nothing but the order."""
   cfg = tiny(moe_impl=impl, moe_tile_size=4)
-  experts = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]["experts"]
+  experts = transformer.init_params(cfg, jax.random.PRNGKey(0), std=0.3)["layers"][0]["experts"]
   x = jax.random.normal(jax.random.PRNGKey(1), (24, cfg.hidden_size))
   weights = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(2), (24, cfg.top_k_experts)))
   index = jax.random.randint(jax.random.PRNGKey(3), (24, cfg.top_k_experts), 1, cfg.num_experts)
 
   def run(shards):
-    f = lambda x, e: (network.moe(x, weights, index, e, cfg) if shards == 1 else
-                      network.moe_per_batch_shard(x, weights, index, e, cfg, shards))
+    f = lambda x, e: (moe.moe(x, weights, index, e, cfg) if shards == 1 else
+                      moe.moe_per_batch_shard(x, weights, index, e, cfg, shards))
     return jax.jit(jax.value_and_grad(lambda x, e: (f(x, e) ** 2).sum(), (0, 1)))(x, experts)
 
   (y1, g1), (y3, g3) = run(1), run(3)
@@ -75,10 +75,10 @@ def test_moe_per_batch_shard_equals_one_sort(impl):
 def test_moe_matches_per_token_loop():
   """Against the definition: each token sums its top-k experts' gated MLPs times weights."""
   cfg = tiny()
-  layer = network.init_params(cfg, jax.random.PRNGKey(2), std=0.3)["layers"][1]
+  layer = transformer.init_params(cfg, jax.random.PRNGKey(2), std=0.3)["layers"][1]
   x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (7, cfg.hidden_size)), np.float64)
-  weights, index = network.route(jnp.asarray(x, jnp.float32), layer["router"], cfg)
-  ours = np.asarray(network.moe(jnp.asarray(x, jnp.float32), weights, index, layer["experts"], cfg))
+  weights, index = moe.route(jnp.asarray(x, jnp.float32), layer["router"], cfg)
+  ours = np.asarray(moe.moe(jnp.asarray(x, jnp.float32), weights, index, layer["experts"], cfg))
   gate_up = np.asarray(layer["experts"]["gate_up"], np.float64)
   down = np.asarray(layer["experts"]["down"], np.float64)
   gelu = lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
@@ -92,12 +92,12 @@ def test_moe_matches_per_token_loop():
 
 def test_bfloat16_compute_tracks_float32():
   cfg = tiny(num_layers=2)
-  params = network.init_params(cfg, jax.random.PRNGKey(4), std=0.1)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(4), std=0.1)
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 9), 3, cfg.vocab_size)
   canvas = jax.random.randint(jax.random.PRNGKey(6), (2, cfg.canvas_length), 0, cfg.vocab_size)
 
   def logits(c):
-    cache = network.init_cache(c, 2, 9)
+    cache = transformer.init_cache(c, 2, 9)
     _, cache = encode(params, c, tokens, cache)
     return decode(params, c, canvas, cache)
 
@@ -114,11 +114,11 @@ def test_decoder_ignores_cache_slots_past_its_prefix():
   """Training decodes canvas k against a cache holding the whole sequence: slots at or after the
   canvas start must not change the logits, and a shorter prefix must."""
   cfg = tiny()
-  params = network.init_params(cfg, jax.random.PRNGKey(7), std=0.3)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(7), std=0.3)
   tokens = jax.random.randint(jax.random.PRNGKey(8), (1, 20), 3, cfg.vocab_size)
   canvas = jax.random.randint(jax.random.PRNGKey(9), (1, cfg.canvas_length), 0, cfg.vocab_size)
-  _, short = encode(params, cfg, tokens[:, :6], network.init_cache(cfg, 1, 6))
-  _, full = encode(params, cfg, tokens, network.init_cache(cfg, 1, 20))
+  _, short = encode(params, cfg, tokens[:, :6], transformer.init_cache(cfg, 1, 6))
+  _, full = encode(params, cfg, tokens, transformer.init_cache(cfg, 1, 20))
   prefix = jnp.array([6])
   np.testing.assert_allclose(decode(params, cfg, canvas, full, prefix),
                              decode(params, cfg, canvas, short), atol=1e-4)

@@ -1,4 +1,4 @@
-"""The network as flax.linen modules (diffgemma/model/network.py): the same parameter tree and
+"""The network as flax.linen modules (diffgemma/model/transformer.py): the same parameter tree and
 values as the hand-written init it replaced, the same logits from a run written before it, and
 the entry points through `Model.apply`."""
 
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma.model import network, sharding
+from diffgemma.model import initializers, sharding, transformer
 from diffgemma.model.config import SLIDING, ModelConfig
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "pre_flax_run")
@@ -27,13 +27,13 @@ def _cfg(**kw):
 
 
 def _init_params_before_modules(cfg, rng, std=None):
-  """`network.init_params` as it was written by hand before the modules (commit bd81db2)."""
+  """`transformer.init_params` as it was written by hand before the modules (commit bd81db2)."""
   std = jnp.float32(cfg.initializer_range if std is None else std)
   dt = jnp.dtype(cfg.param_dtype)
   d, f = cfg.hidden_size, cfg.intermediate_size
   keys = iter(list(jax.random.split(rng, 8 + 12 * cfg.num_layers)))
-  normal = lambda shape: network._normal_leaf(next(keys), std, tuple(shape), dt)
-  ones = lambda shape: network._ones_leaf(tuple(shape), dt)
+  normal = lambda shape: initializers._normal_leaf(next(keys), std, tuple(shape), dt)
+  ones = lambda shape: initializers._ones_leaf(tuple(shape), dt)
   layers = []
   for i in range(cfg.num_layers):
     hd, kv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
@@ -48,7 +48,7 @@ def _init_params_before_modules(cfg, rng, std=None):
         "mlp": {"gate": normal((d, f)), "up": normal((d, f)), "down": normal((f, d))},
         "router": {"proj": normal((d, e)), "scale": ones((d,)), "per_expert_scale": ones((e,))},
         "experts": {"gate_up": normal((e, d, 2 * moe_i)), "down": normal((e, moe_i, d))},
-        **{name: ones((d,)) for name in network.LAYER_NORMS},
+        **{name: ones((d,)) for name in transformer.LAYER_NORMS},
         "layer_scalar": ones(()),
     })
   return {"embedding": normal((cfg.vocab_size, d)), "final_norm": ones((d,)), "layers": layers,
@@ -60,22 +60,22 @@ def test_init_is_the_tree_and_draw_of_before():
   for cfg in (_cfg(), _cfg(param_dtype="bfloat16", qk_norm_init=0.5)):
     rng = jax.random.PRNGKey(3)
     before = _init_params_before_modules(cfg, rng)
-    now = network.init_params(cfg, rng)
+    now = transformer.init_params(cfg, rng)
     chex.assert_trees_all_equal_structs(before, now)
     chex.assert_trees_all_equal_shapes_and_dtypes(before, now)
     chex.assert_trees_all_equal(before, now)
-    chex.assert_trees_all_equal_shapes_and_dtypes(network.abstract_params(cfg), now)
+    chex.assert_trees_all_equal_shapes_and_dtypes(transformer.abstract_params(cfg), now)
   before = _init_params_before_modules(cfg, rng, std=0.5)
-  chex.assert_trees_all_equal(before, network.init_params(cfg, rng, std=0.5))
+  chex.assert_trees_all_equal(before, transformer.init_params(cfg, rng, std=0.5))
 
 
 def test_linen_collection_is_the_params_tree():
   cfg = _cfg()
-  variables = network.Model(cfg).init(jax.random.PRNGKey(0), method=network.Model.declare)
-  params = network.abstract_params(cfg)
+  variables = transformer.Model(cfg).init(jax.random.PRNGKey(0), method=transformer.Model.declare)
+  params = transformer.abstract_params(cfg)
   chex.assert_trees_all_equal_shapes_and_dtypes(
-      network.to_variables(params)["params"], nn.unbox(variables)["params"])
-  chex.assert_trees_all_equal_shapes_and_dtypes(network.from_variables(variables), params)
+      transformer.to_variables(params)["params"], nn.unbox(variables)["params"])
+  chex.assert_trees_all_equal_shapes_and_dtypes(transformer.from_variables(variables), params)
   # Layer paths are the only difference: "layers_{i}" there, "layers"[i] here.
   assert set(variables["params"]) == {"embedding", "final_norm", "self_conditioning",
                                       "layers_0", "layers_1", "layers_2"}
@@ -83,7 +83,7 @@ def test_linen_collection_is_the_params_tree():
 
 def test_logical_axes_come_from_the_modules():
   cfg = _cfg()
-  boxed = network.init_variables(cfg, jax.random.PRNGKey(0), boxed=True)["params"]
+  boxed = transformer.init_variables(cfg, jax.random.PRNGKey(0), boxed=True)["params"]
   specs = nn.get_partition_spec(boxed)
   assert tuple(specs["layers_0"]["experts"]["gate_up"]) == ("experts", "embed", "expert_mlp")
   assert tuple(specs["embedding"]) == ("vocab", "embed")
@@ -96,20 +96,20 @@ def test_logical_axes_come_from_the_modules():
 
 def test_apply_methods_are_the_entry_points():
   cfg = _cfg()
-  params = network.init_params(cfg, jax.random.PRNGKey(1))
-  variables = network.to_variables(params)
-  model = network.Model(cfg)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(1))
+  variables = transformer.to_variables(params)
+  model = transformer.Model(cfg)
   tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5) % cfg.vocab_size
-  cache = network.init_cache(cfg, 2, 16)
-  h, cache1 = model.apply(variables, tokens, cache, method=network.Model.encode)
-  h2, cache2 = network.encode(params, cfg, tokens, cache)
+  cache = transformer.init_cache(cfg, 2, 16)
+  h, cache1 = model.apply(variables, tokens, cache, method=transformer.Model.encode)
+  h2, cache2 = transformer.encode(params, cfg, tokens, cache)
   chex.assert_trees_all_equal((h, cache1), (h2, cache2))
   canvas = (tokens[:, :4] * 3) % cfg.vocab_size
-  logits = model.apply(variables, canvas, cache1, method=network.Model.decode)
+  logits = model.apply(variables, canvas, cache1, method=transformer.Model.decode)
   chex.assert_shape(logits, (2, 4, cfg.vocab_size))
-  chex.assert_trees_all_equal(logits, network.decode(params, cfg, canvas, cache1))
-  chex.assert_trees_all_equal(model.apply(variables, h, method=network.Model.lm_head),
-                              network.lm_head(params, h, cfg))
+  chex.assert_trees_all_equal(logits, transformer.decode(params, cfg, canvas, cache1))
+  chex.assert_trees_all_equal(model.apply(variables, h, method=transformer.Model.lm_head),
+                              transformer.lm_head(params, h, cfg))
 
 
 def test_a_run_written_before_the_modules_restores_with_its_logits(tmp_path):
@@ -119,17 +119,18 @@ def test_a_run_written_before_the_modules_restores_with_its_logits(tmp_path):
   _, setup, state, _, step = restore_run(workdir)
   assert step == 1
   params, cfg = state["params"], setup.model_cfg
-  chex.assert_trees_all_equal_shapes_and_dtypes(params, network.abstract_params(cfg))
+  chex.assert_trees_all_equal_shapes_and_dtypes(params, transformer.abstract_params(cfg))
   expected = np.load(os.path.join(FIXTURE, "expected_logits.npz"))
-  cache = network.init_cache(cfg, 2, 16)
-  h, cache = network.encode(params, cfg, jnp.asarray(expected["tokens"]), cache)
+  cache = transformer.init_cache(cfg, 2, 16)
+  h, cache = transformer.encode(params, cfg, jnp.asarray(expected["tokens"]), cache)
   # The saved logits came from XLA's optimised programs; the suite runs unoptimised ones
   # (conftest.py), which round differently (1e-7 here, the code before the modules included).
   # Under the flags that wrote them, the new code reproduces them bitwise.
-  chex.assert_trees_all_close(network.lm_head(params, h, cfg), expected["encoder"],
+  chex.assert_trees_all_close(transformer.lm_head(params, h, cfg), expected["encoder"],
                               rtol=1e-5, atol=1e-5)
-  chex.assert_trees_all_close(network.decode(params, cfg, jnp.asarray(expected["canvas"]), cache),
-                              expected["decoder"], rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(
+      transformer.decode(params, cfg, jnp.asarray(expected["canvas"]), cache),
+      expected["decoder"], rtol=1e-5, atol=1e-5)
 
 
 def test_nnx_users_wrap_the_model_with_to_nnx():
@@ -137,10 +138,10 @@ def test_nnx_users_wrap_the_model_with_to_nnx():
   cfg = _cfg(num_layers=1, layer_types=("full_attention",))
   # Without a mesh, NNX must not place the logically partitioned weights eagerly.
   with nnx.use_eager_sharding(False):
-    model = nnx.bridge.ToNNX(network.Model(cfg), rngs=nnx.Rngs(0)).lazy_init(
-        method=network.Model.declare)
+    model = nnx.bridge.ToNNX(transformer.Model(cfg), rngs=nnx.Rngs(0)).lazy_init(
+        method=transformer.Model.declare)
   tokens = jnp.zeros((1, 3), jnp.int32)
-  h, _ = model(tokens, network.init_cache(cfg, 1, 8), method="encode")
+  h, _ = model(tokens, transformer.init_cache(cfg, 1, 8), method="encode")
   chex.assert_shape(h, (1, 3, cfg.hidden_size))
 
 
@@ -155,7 +156,7 @@ class WithAndWithoutJit(chex.TestCase):
     from diffgemma.tasks import Layout
     from diffgemma.training import losses
     cfg = self.CFG
-    params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    params = transformer.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
     p, k, b, c = 3, 2, 2, cfg.canvas_length
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (b, p + k * c)),
                          jnp.int32)
@@ -173,15 +174,15 @@ class WithAndWithoutJit(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_decoder_step(self):
     cfg = self.CFG
-    params = network.init_params(cfg, jax.random.PRNGKey(1))
+    params = transformer.init_params(cfg, jax.random.PRNGKey(1))
     prompt = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
-    _, cache = jax.jit(network.encode, static_argnums=1)(
-        params, cfg, prompt, network.init_cache(cfg, 2, 16))
+    _, cache = jax.jit(transformer.encode, static_argnums=1)(
+        params, cfg, prompt, transformer.init_cache(cfg, 2, 16))
     canvas = jnp.ones((2, cfg.canvas_length), jnp.int32)
     sc_logits = jax.random.normal(jax.random.PRNGKey(2), (2, cfg.canvas_length, cfg.vocab_size))
-    step = self.variant(lambda params, canvas, cache, sc: network.decode(
+    step = self.variant(lambda params, canvas, cache, sc: transformer.decode(
         params, cfg, canvas, cache, None, sc, jnp.array([True, False])))
-    reference = jax.jit(lambda params, canvas, cache, sc: network.decode(
+    reference = jax.jit(lambda params, canvas, cache, sc: transformer.decode(
         params, cfg, canvas, cache, None, sc, jnp.array([True, False])))
     chex.assert_trees_all_close(step(params, canvas, cache, sc_logits),
                                 reference(params, canvas, cache, sc_logits), rtol=1e-5, atol=1e-5)

@@ -50,7 +50,7 @@ from nemo_automodel.recipes.dllm import train_ft
 from nemo_automodel.recipes.dllm.strategy import BlockDiffusionStrategy
 
 from diffgemma.io import hf_weights
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.tasks import chat
 from diffgemma.training import losses, run_config
 from tests.helpers import chat as chat_record
@@ -88,7 +88,7 @@ def random_params(cfg):
       x = 0.15 * rng.standard_normal(leaf.shape)
     return jnp.asarray(x, leaf.dtype)
 
-  return jax.tree_util.tree_map_with_path(draw, network.abstract_params(cfg))
+  return jax.tree_util.tree_map_with_path(draw, transformer.abstract_params(cfg))
 
 
 def bare_recipe(model, cfg, tok, sc_rows_B):
@@ -213,10 +213,10 @@ def draws_all(w):
 
 
 def our_encoder(w):
-  cache = network.init_cache(w.cfg, w.b, w.layout.seq_len)
-  hidden, cache = jax.jit(network.encode, static_argnums=1)(
+  cache = transformer.init_cache(w.cfg, w.b, w.layout.seq_len)
+  hidden, cache = jax.jit(transformer.encode, static_argnums=1)(
       w.params, w.cfg, jnp.asarray(w.batch["tokens"]), cache, jnp.asarray(w.batch["valid"]))
-  return np.asarray(network.lm_head(w.params, hidden, w.cfg)), cache
+  return np.asarray(transformer.lm_head(w.params, hidden, w.cfg)), cache
 
 
 def nemo_forward(w, sc_B):
@@ -268,7 +268,7 @@ def test_decoder_logits_match_for_every_canvas(world, self_conditioning):
   if self_conditioning == "our_rows":  # the recipe's own forward ran with these coins
     np.testing.assert_array_equal(theirs, w.captured["out"].logits.detach().numpy())
   _, cache = our_encoder(w)
-  decode = jax.jit(network.decode, static_argnums=1)
+  decode = jax.jit(transformer.decode, static_argnums=1)
   worst = 0.0
   for k in range(NUM_CANVASES):
     start = jnp.full((w.b,), PROMPT_LEN + k * C)

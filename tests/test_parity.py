@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from diffgemma.io import hf_weights
-from diffgemma.model import network
+from diffgemma.model import transformer
 from tests import reference
 
 TOL = 1e-4
@@ -45,13 +45,13 @@ def test_encoder_and_decoder_logits_match_reference(name, overrides, batch, prom
   valid = np.arange(prompt_len)[None, :] >= np.asarray(pads)[:, None]
   prompt = np.where(valid, prompt, cfg.pad_token_id)
   session = reference.ReferenceSession(ref_model, valid)
-  cache = network.init_cache(cfg, batch, prompt_len + num_canvases * canvas_len)
-  encode = jax.jit(lambda p, t, c, v: network.encode(p, cfg, t, c, v))
-  decode = jax.jit(lambda p, x, c, sc, m: network.decode(p, cfg, x, c, None, sc, m))
+  cache = transformer.init_cache(cfg, batch, prompt_len + num_canvases * canvas_len)
+  encode = jax.jit(lambda p, t, c, v: transformer.encode(p, cfg, t, c, v))
+  decode = jax.jit(lambda p, x, c, sc, m: transformer.decode(p, cfg, x, c, None, sc, m))
 
   theirs = session.encode(prompt)
   hidden, cache = encode(params, jnp.asarray(prompt), cache, jnp.asarray(valid))
-  ours = np.asarray(network.lm_head(params, hidden, cfg))
+  ours = np.asarray(transformer.lm_head(params, hidden, cfg))
   # Padding rows attend to nothing real; only real positions are compared.
   np.testing.assert_array_less(np.abs(ours - theirs)[valid].max(), TOL)
 
@@ -73,6 +73,6 @@ def test_encoder_and_decoder_logits_match_reference(name, overrides, batch, prom
     committed = ours.argmax(-1)
     theirs = session.encode(committed)
     hidden, cache = encode(params, jnp.asarray(committed), cache, None)
-    ours = np.asarray(network.lm_head(params, hidden, cfg))
+    ours = np.asarray(transformer.lm_head(params, hidden, cfg))
     np.testing.assert_array_less(np.abs(ours - theirs).max(), TOL_CHAINED,
                                   err_msg=f"commit {k}")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma.model import lora, network, quantize, sharding
+from diffgemma.model import lora, quantize, sharding, transformer
 from diffgemma.model.config import tiny
 from diffgemma.tasks import make_task
 from diffgemma.training import training_state, update_step
@@ -113,9 +113,9 @@ def _logits(params, cfg, batch=2, prompt_len=12):
 
   @jax.jit
   def run(params):
-    cache = network.init_cache(cfg, batch, prompt_len + cfg.canvas_length)
-    _, cache = network.encode(params, cfg, prompt, cache)
-    return network.decode(params, cfg, canvas, cache)
+    cache = transformer.init_cache(cfg, batch, prompt_len + cfg.canvas_length)
+    _, cache = transformer.encode(params, cfg, prompt, cache)
+    return transformer.decode(params, cfg, canvas, cache)
 
   return run(params)
 
@@ -125,7 +125,7 @@ def test_model_consumes_quantized_weights_as_their_dequantized_values(moe_impl):
   # "tiled" takes w[tile experts], "tiled_scan" w[e] in a loop, "pallas" the whole dequantized
   # stack (as linear and ragged_dot do).
   cfg = tiny(num_layers=2, moe_impl=moe_impl, moe_tile_size=8)
-  params = network.init_params(cfg, jax.random.PRNGKey(0), 0.2)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0), 0.2)
   qparams = quantize.quantize_params(params, quantize.QuantizeConfig("int4", group_size=16))
   assert isinstance(qparams["layers"][0]["experts"]["gate_up"], quantize.QuantizedWeight)
   assert not isinstance(qparams["layers"][0]["router"]["proj"], quantize.QuantizedWeight)
@@ -138,7 +138,7 @@ def test_logits_cost_on_a_tiny_random_model():
   cfg = tiny(num_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
              head_dim=32, global_head_dim=64, vocab_size=128, moe_impl="tiled",
              moe_tile_size=8)
-  params = network.init_params(cfg, jax.random.PRNGKey(0))
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   ref = _logits(params, cfg, batch=4, prompt_len=16)
   rel_rms = {}
   for dtype in ("int8", "int4"):
@@ -173,7 +173,7 @@ def test_qlora_step_trains_only_adapters_with_the_dequantized_base_gradients():
 
   config, setup = _qlora_setup("int4", moe_impl)
   assert setup.quantize_cfg.dtype == "int4" and setup.quantize_cfg.group_size == 8
-  float_base = network.init_params(setup.model_cfg, jax.random.PRNGKey(0), 0.1)
+  float_base = transformer.init_params(setup.model_cfg, jax.random.PRNGKey(0), 0.1)
   frozen = quantize.quantize_params(float_base, setup.quantize_cfg)
   shapes = training_state.base_params_shape(setup)
   assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure(frozen)
@@ -215,7 +215,7 @@ def test_quantized_base_bytes_and_sharding_axes():
     sizes[base_dtype] = quantize.nbytes(training_state.base_params_shape(setup))
   assert sizes["int4"] < sizes["int8"] < sizes["float32"]
   cfg = tiny()
-  shapes = network.abstract_params(cfg)
+  shapes = transformer.abstract_params(cfg)
   experts = shapes["layers"][0]["experts"]["gate_up"]
   # Values take the weight's logical axes; a scale's size-1 axes stay unsplit.
   assert sharding.logical_axes("layers.0.experts.gate_up.qvalue", 3) == (

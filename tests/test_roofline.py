@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from benchmarks import roofline
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.model.config import FULL, SLIDING, ModelConfig
 
 # Layer 0 sliding (window 3: sees 2 prefix slots), layer 1 full (sees all 5).
@@ -47,7 +47,7 @@ def test_counts_of_a_tiny_step_by_hand():
 
 @pytest.mark.parametrize("cfg", [TINY, ModelConfig()], ids=["tiny", "26b_a4b"])
 def test_weight_counts_match_the_parameter_tree(cfg):
-  shapes = network.abstract_params(cfg)
+  shapes = transformer.abstract_params(cfg)
   size = lambda *xs: sum(int(np.prod(x.shape)) for x in xs)
   for i, layer in enumerate(shapes["layers"]):
     counts = roofline.layer_weight_counts(cfg, i)

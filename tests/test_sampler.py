@@ -11,7 +11,7 @@ import torch
 from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as ref
 
-from diffgemma.model import config, network
+from diffgemma.model import config, transformer
 from diffgemma.sampling import sampler
 
 CFG = config.tiny()
@@ -23,14 +23,14 @@ CONFIDENT = 40.0
 @pytest.fixture(scope="module")
 def params():
   # An "rbg" key: threefry's op-by-op compiles make init several times slower on CPU.
-  return network.init_params(CFG, jax.random.key(0, impl="rbg"))
+  return transformer.init_params(CFG, jax.random.key(0, impl="rbg"))
 
 
 @pytest.fixture
 def patch_model(monkeypatch):
   """`patch_model(name, fn)` replaces a model function the sampler calls; JAX's trace caches are
   cleared afterwards so no later jit can reuse a program traced with the fake."""
-  yield lambda name, fn: monkeypatch.setattr(sampler.network, name, fn)
+  yield lambda name, fn: monkeypatch.setattr(sampler.transformer, name, fn)
   jax.clear_caches()
 
 
@@ -455,7 +455,7 @@ def test_denoise_canvas_per_row_stopping(params, patch_model):
   logits[1] = 0.01 * np.arange(v)  # nearly uniform, argmax v - 1
   patch_model("decode", lambda *a, **k: jnp.asarray(logits))
   cfg = sampler.SamplerConfig(max_denoising_steps=n_max, record_trajectory=True)
-  cache = network.init_cache(CFG, b, 4)
+  cache = transformer.init_cache(CFG, b, 4)
   row_done = jnp.array([False, False, True])
   canvas, stats = jax.jit(lambda r: sampler.denoise_canvas(params, CFG, cfg, cache, r,
                                                            row_done))(jax.random.PRNGKey(0))
@@ -598,8 +598,8 @@ def ar_loop_tokens(params):
   """[B, AR_MAX_NEW] greedy tokens of a plain Python loop of encode + argmax."""
   max_new, k = AR_MAX_NEW, AR_CANVASES
   b, p = PROMPT.shape
-  cache = network.init_cache(CFG, b, p + k * CFG.canvas_length)
-  encode = jax.jit(lambda t, cache, valid: network.encode(params, CFG, t, cache, valid)).lower(
+  cache = transformer.init_cache(CFG, b, p + k * CFG.canvas_length)
+  encode = jax.jit(lambda t, cache, valid: transformer.encode(params, CFG, t, cache, valid)).lower(
       PROMPT[:, :1], cache, VALID[:, :1]).compile()
   # The prompt too goes one token at a time: one compiled shape, and an independent check of
   # the sampler's single prefill pass.
@@ -607,7 +607,7 @@ def ar_loop_tokens(params):
     hidden, cache = encode(PROMPT[:, i:i + 1], cache, VALID[:, i:i + 1])
   loop_tokens = []
   for _ in range(max_new):
-    token = np.asarray(jnp.argmax(network.lm_head(params, hidden[:, -1], CFG), -1))
+    token = np.asarray(jnp.argmax(transformer.lm_head(params, hidden[:, -1], CFG), -1))
     loop_tokens.append(token)
     hidden, cache = encode(token[:, None].astype(np.int32), cache, np.ones((b, 1), bool))
   return np.stack(loop_tokens, 1)

@@ -12,7 +12,7 @@ import pytest
 
 from configs import sdrl_chat, sdrl_sudoku
 from diffgemma.io import model_dirs
-from diffgemma.model import lora, network
+from diffgemma.model import lora, transformer
 from diffgemma.runs import checkpointing, provenance
 from diffgemma.sampling import sampler
 from diffgemma.tasks import make_task
@@ -46,7 +46,7 @@ CFG = run_config.build(tiny_configs()[1]).model
 def params():
   # As save_sft_run's (one compiled init). An "rbg" key: threefry's op-by-op compiles make init
   # several times slower on CPU.
-  return network.init_params(CFG, jax.random.key(0, impl="rbg"))
+  return transformer.init_params(CFG, jax.random.key(0, impl="rbg"))
 
 
 def log_softmax64(logits):
@@ -59,9 +59,9 @@ def log_softmax64(logits):
 def state_logits(params, prompt_UxP, canvas_UxC, self_cond_UxCxD):
   """Each state row decoded after its own prompt's encoding (no shared cache)."""
   u, p = prompt_UxP.shape
-  cache = network.init_cache(CFG, u, p + CFG.canvas_length)
-  _, cache = network.encode(params, CFG, prompt_UxP, cache)
-  return network.decode(params, CFG, canvas_UxC, cache, None, None, None, self_cond_UxCxD)
+  cache = transformer.init_cache(CFG, u, p + CFG.canvas_length)
+  _, cache = transformer.encode(params, CFG, prompt_UxP, cache)
+  return transformer.decode(params, CFG, canvas_UxC, cache, None, None, None, self_cond_UxCxD)
 
 
 @jax.jit
@@ -72,11 +72,11 @@ def corrupted_state_logits(params, prompt_UxP, target_UxC, rng):
   t_rng, noise_rng = jax.random.split(jax.random.split(rng)[0])
   t_U = diffusion.sample_noise_level(t_rng, u, losses.LossConfig().t_eps)
   noisy_UxC = diffusion.corrupt(noise_rng, target_UxC, t_U, CFG.vocab_size, "linear")
-  cache = network.init_cache(CFG, u, p + CFG.canvas_length)
-  _, cache = network.encode(params, CFG, prompt_UxP, cache)
-  first = network.decode(params, CFG, noisy_UxC, cache)
-  return noisy_UxC, network.decode(params, CFG, noisy_UxC, cache, None, first,
-                                 jnp.arange(u) % 2 == 0)
+  cache = transformer.init_cache(CFG, u, p + CFG.canvas_length)
+  _, cache = transformer.encode(params, CFG, prompt_UxP, cache)
+  first = transformer.decode(params, CFG, noisy_UxC, cache)
+  return noisy_UxC, transformer.decode(params, CFG, noisy_UxC, cache, None, first,
+                                       jnp.arange(u) % 2 == 0)
 
 
 loss_fn = jax.jit(sdrl.sdrl_loss, static_argnums=(1, 2, 3, 8))
@@ -291,7 +291,7 @@ def test_replay_reproduces_the_recorded_trajectory(rollout):
   assert (step_U[ok] < steps[k_U, row_U][ok]).all()
   assert float(batch["norm_B"][0]) == ok.sum()
   cache_U = losses.take_cache_rows(cache, jnp.asarray(row_U))
-  logits = jax.jit(network.decode, static_argnums=1)(
+  logits = jax.jit(transformer.decode, static_argnums=1)(
       params, model_cfg, flat(batch["canvas_BxSxC"]), cache_U, jnp.asarray(prefix_U), None, None,
       flat(batch["self_cond_BxSxCxD"]))
   recorded = np.asarray(traj["argmax"])[k_U, np.maximum(step_U, 0), row_U]
@@ -413,7 +413,7 @@ def test_prepared_weights_and_targets_equal_a_brute_force(rollout, selection, no
   for (row, s), pick in step.items():
     if pick < 0:
       continue
-    logits = jax.jit(network.decode, static_argnums=1)(
+    logits = jax.jit(transformer.decode, static_argnums=1)(
         params, model_cfg, jnp.asarray(canvas[row, s])[None],
         losses.take_cache_rows(cache, jnp.asarray([row])), jnp.asarray([prefix[row, s]]), None,
         None, got["self_cond_BxSxCxD"][row, s][None])

@@ -8,7 +8,7 @@ import pytest
 
 from diffgemma import cli
 from diffgemma.io import model_dirs
-from diffgemma.model import attention_probe, network
+from diffgemma.model import attention_probe, transformer
 from diffgemma.runs import checkpointing
 from diffgemma.tasks import sudoku
 from diffgemma.training import diffusion, evaluation, loop, training_state
@@ -85,10 +85,10 @@ def check_against_brute_force(results, workdir, step, script):
 
   @jax.jit
   def decode(noisy):
-    _, cache = network.encode(params, cfg, prompts.prompt_NxP, network.init_cache(cfg, n, p),
-                              prompts.valid_NxP)
+    _, cache = transformer.encode(params, cfg, prompts.prompt_NxP,
+                                  transformer.init_cache(cfg, n, p), prompts.valid_NxP)
     with attention_probe.record_attention() as probs:
-      logits = network.decode(params, cfg, noisy, cache)
+      logits = transformer.decode(params, cfg, noisy, cache)
     return logits, [x[..., :p] for x in probs]  # [N, H, C, P] per layer
 
   for index, t in enumerate(sorted(LEVELS)):
@@ -167,7 +167,7 @@ def test_diagnostics_read_cell_token_prompts(tmp_path, script):
   config.model.vocab_size = sudoku.vocab_size("cell_tokens")
   workdir = str(tmp_path / "run")
   setup = setup_of(config)
-  params = network.init_params(setup.model_cfg, jax.random.PRNGKey(0))
+  params = transformer.init_params(setup.model_cfg, jax.random.PRNGKey(0))
   checkpointing.save_config(workdir, config)
   with checkpointing.manager(workdir) as mngr:
     checkpointing.save(mngr, 0, training_state.init_state(setup, params))

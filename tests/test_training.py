@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffgemma.model import network
+from diffgemma.model import transformer
 from diffgemma.model.config import FULL, SLIDING, tiny
 from diffgemma.runs import provenance
 from diffgemma.tasks import Layout
@@ -97,7 +97,7 @@ def test_fill_noise_always_corrupts_every_eos_fill_token_of_the_scored_canvas():
 def test_sft_loss_matches_hand_computation():
   """Decoder CE recomputed from the model's pieces with the same random draws."""
   cfg = LOSS_CFG
-  params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
   p, k, b = 3, 2, 4
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, p + k * 4)), jnp.int32)
@@ -108,14 +108,14 @@ def test_sft_loss_matches_hand_computation():
   layout = Layout(p, k, 4)
   # Jitted: op-by-op dispatch of the model is ~5x slower than one compile.
   sft_loss = jax.jit(losses.sft_loss, static_argnums=(1, 2, 3))
-  encode = jax.jit(network.encode, static_argnums=1)
-  decode = jax.jit(network.decode, static_argnums=1)
+  encode = jax.jit(transformer.encode, static_argnums=1)
+  decode = jax.jit(transformer.decode, static_argnums=1)
   total, metrics = sft_loss(params, cfg, loss_cfg, layout, batch, jax.random.PRNGKey(3))
 
   # Encoder CE by hand: next-token over supervised targets.
-  cache = network.init_cache(cfg, b, p + k * 4)
+  cache = transformer.init_cache(cfg, b, p + k * 4)
   hidden, cache = encode(params, cfg, tokens, cache)
-  logp = jax.nn.log_softmax(network.lm_head(params, hidden, cfg)[:, :-1])
+  logp = jax.nn.log_softmax(transformer.lm_head(params, hidden, cfg)[:, :-1])
   nll = -np.take_along_axis(np.asarray(logp), np.asarray(tokens)[:, 1:, None], -1)[..., 0]
   m = np.asarray(loss_mask)[:, 1:]
   np.testing.assert_allclose(metrics["encoder_loss"], (nll * m).sum() / m.sum(), rtol=1e-5)
@@ -144,7 +144,7 @@ def test_end_weight_weights_each_reply_end_in_both_terms():
   """loss.end_weight: the encoder and decoder CE are weighted means (float64 numpy) in which
   each row's last supervised non-EOS token weighs end_weight and every other scored token 1."""
   cfg, eos = LOSS_CFG, LOSS_CFG.eos_token_id
-  params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
   p, k, c = 3, 2, cfg.canvas_length
   rng = np.random.default_rng(1)
   reply_lens = (3, 5, 8, 2)  # the end in canvas 0, in canvas 1, at the very last slot, canvas 0
@@ -167,9 +167,10 @@ def test_end_weight_weights_each_reply_end_in_both_terms():
       params, cfg, loss_cfg, layout, batch, jax.random.PRNGKey(3), draws)
 
   w = np.where(end, weight, 1.0)
-  cache = network.init_cache(cfg, len(reply_lens), p + k * c)
-  hidden, cache = jax.jit(network.encode, static_argnums=1)(params, cfg, batch["tokens"], cache)
-  logp = np.asarray(jax.nn.log_softmax(network.lm_head(params, hidden, cfg)[:, :-1]), np.float64)
+  cache = transformer.init_cache(cfg, len(reply_lens), p + k * c)
+  hidden, cache = jax.jit(transformer.encode, static_argnums=1)(params, cfg, batch["tokens"], cache)
+  logp = np.asarray(jax.nn.log_softmax(transformer.lm_head(params, hidden, cfg)[:, :-1]),
+                    np.float64)
   nll = -np.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
   m = loss_mask[:, 1:] * w[:, 1:]
   np.testing.assert_allclose(metrics["encoder_loss"], (nll * m).sum() / m.sum(), rtol=1e-5)
@@ -177,8 +178,8 @@ def test_end_weight_weights_each_reply_end_in_both_terms():
   start = p + c * np.asarray(draws.canvas_U)
   rows = np.arange(len(reply_lens))[:, None]
   window = start[:, None] + np.arange(c)
-  logits = jax.jit(network.decode, static_argnums=1)(params, cfg, draws.noisy_UxC, cache,
-                                                     jnp.asarray(start))
+  logits = jax.jit(transformer.decode, static_argnums=1)(params, cfg, draws.noisy_UxC, cache,
+                                                         jnp.asarray(start))
   logp = np.asarray(jax.nn.log_softmax(logits), np.float64)
   nll = -np.take_along_axis(logp, tokens[rows, window][..., None], -1)[..., 0]
   m = loss_mask[rows, window] * w[rows, window]
@@ -256,7 +257,7 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
   corrupted canvas decoded after encoding only the clean history (prompt + canvases < k), with
   padding in the prompt and in later canvases. Both selections ("one", "all") are checked."""
   cfg = LOSS_CFG
-  params = network.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
   p, k, c, b = 5, 3, 4, 3
   rng = np.random.default_rng(1)
   tokens = rng.integers(3, cfg.vocab_size, (b, p + k * c)).astype(np.int32)
@@ -269,8 +270,8 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
   batch = {k_: jnp.asarray(v) for k_, v in
            {"tokens": tokens, "valid": valid, "loss_mask": loss_mask}.items()}
   layout = Layout(p, k, c)
-  decode = jax.jit(network.decode, static_argnums=1)
-  encode = jax.jit(network.encode, static_argnums=1)
+  decode = jax.jit(transformer.decode, static_argnums=1)
+  encode = jax.jit(transformer.encode, static_argnums=1)
 
   def by_history(canvas_B, t_rng, noise_rng, u_rows):
     """Decoder CE of each (row, canvas) after encoding just its clean history, no self-cond."""
@@ -282,7 +283,7 @@ def test_multi_canvas_loss_with_earlier_canvases_in_the_cache_equals_encoding_th
                               jnp.asarray(target))
     total, count = 0.0, 0.0
     for i, (r, s) in enumerate(zip(u_rows, starts)):
-      cache = network.init_cache(cfg, 1, s + c)
+      cache = transformer.init_cache(cfg, 1, s + c)
       _, cache = encode(params, cfg, jnp.asarray(tokens[r:r + 1, :s]), cache,
                         jnp.asarray(valid[r:r + 1, :s]))
       logits = decode(params, cfg, noisy[i:i + 1], cache)

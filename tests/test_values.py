@@ -364,7 +364,7 @@ def scripted_model(monkeypatch):
       return ar_BxLxV[rows, slot]
 
     for name, fn in (("decode", decode), ("encode", encode), ("lm_head", lm_head)):
-      monkeypatch.setattr(sampler.network, name, fn)
+      monkeypatch.setattr(sampler.transformer, name, fn)
 
   yield install
   jax.clear_caches()

@@ -236,7 +236,7 @@ def params_from_hf(tensors: Mapping[str, Any], cfg: ModelConfig, abstract_params
 
   Args:
     tensors: name -> array (numpy, memory-mapped, or anything np.asarray accepts).
-    abstract_params: the expected pytree of shapes (default `network.abstract_params(cfg)`);
+    abstract_params: the expected pytree of shapes (default `transformer.abstract_params(cfg)`);
       every tensor is checked against it and a mismatch names the tensor.
     kind: DIFFUSION_GEMMA, or GEMMA4 (no self-conditioning block: pass `self_conditioning`).
     dtype: cast every tensor to this dtype (None keeps the checkpoint's).
@@ -246,9 +246,10 @@ def params_from_hf(tensors: Mapping[str, Any], cfg: ModelConfig, abstract_params
   """
   place = place or (lambda path, arr: arr)
   if abstract_params is None:
-    from diffgemma.model import network  # local: model does not depend on the checkpoint mapping
+    # local: model does not depend on the checkpoint mapping
+    from diffgemma.model import transformer
 
-    abstract_params = network.abstract_params(cfg)
+    abstract_params = transformer.abstract_params(cfg)
   prefix = backbone_prefix(tensors, kind)
   used = set()
   params: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}

@@ -29,7 +29,7 @@ import numpy as np
 
 from diffgemma.io import hf_weights
 from diffgemma.io.safetensors_dir import CheckpointFormatError, SafetensorsDir, write_dir
-from diffgemma.model import lora, network
+from diffgemma.model import lora, transformer
 from diffgemma.model.config import ModelConfig
 from diffgemma.runs import checkpointing
 
@@ -142,11 +142,11 @@ def load_workdir(path: str, dtype: str | None = None, shardings=None, step: int 
         path, read=lambda s: checkpointing.restore_subtree(path, s, target))
 
   if not lora_cfg.enabled:
-    restored, step = read({"params": placed(network.abstract_params(cfg))})
+    restored, step = read({"params": placed(transformer.abstract_params(cfg))})
     params = restored["params"]
   else:
     base_cfg = cfg.replace(param_dtype=lora_cfg.base_dtype)
-    base_shape = network.abstract_params(base_cfg)
+    base_shape = transformer.abstract_params(base_cfg)
     adapter_shape = jax.eval_shape(lambda b: lora.init(b, lora_cfg, jax.random.PRNGKey(0)),
                                    base_shape)
     target = {"params": placed(adapter_shape)}
@@ -204,12 +204,12 @@ def _load_hf(path, config, dtype, shardings, rng, log, overrides):
   self_conditioning = None
   if source == hf_weights.GEMMA4:
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    self_conditioning = _place_tree(network.init_self_conditioning(cfg, rng), shardings,
+    self_conditioning = _place_tree(transformer.init_self_conditioning(cfg, rng), shardings,
                                     prefix=("self_conditioning",))
     log(f"note: {path} is a Gemma 4 AR checkpoint: backbone loaded, self-conditioning block "
         "freshly initialised")
   params = hf_weights.params_from_hf(
-      tensors, cfg, network.abstract_params(cfg), kind=source, dtype=jnp.dtype(dtype),
+      tensors, cfg, transformer.abstract_params(cfg), kind=source, dtype=jnp.dtype(dtype),
       place=lambda p, arr: _place(arr, _sharding_at(shardings, p)),
       self_conditioning=self_conditioning)
   return cfg, params
@@ -219,7 +219,7 @@ def _load_orbax(path, config, dtype, shardings, overrides):
   import orbax.checkpoint as ocp
 
   cfg = _orbax_model_config(path, config)
-  stored = network.abstract_params(cfg)
+  stored = transformer.abstract_params(cfg)
   target_dtype = jnp.dtype(dtype) if dtype else None
 
   def target(p, leaf):
@@ -275,7 +275,7 @@ def save_orbax(cfg: ModelConfig, params, dest: str, dtype: str | None = None,
 
 def check_params(cfg: ModelConfig, params) -> None:
   """Raise WeightMappingError naming the first leaf whose shape does not fit `cfg`."""
-  expected = network.abstract_params(cfg)
+  expected = transformer.abstract_params(cfg)
   flat, _ = jax.tree_util.tree_flatten_with_path(expected)
   got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
   for path, leaf in flat:

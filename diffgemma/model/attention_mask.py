@@ -1,4 +1,4 @@
-"""The model's one attention-mask rule, shared by the XLA path (network.py) and the Pallas canvas
+"""The model's one attention-mask rule, shared by the XLA path (layers.py) and the Pallas canvas
 kernel (kernels/attention.py), which builds it block by block.
 
 A leaf module: it imports nothing from the package, so the model and the kernels both import it

@@ -1,18 +1,18 @@
 """Recording the model's attention probabilities, for diagnostics; the model itself is untouched.
 
-Inside `record_attention()`, every call of `network.attend` (the XLA attention path) also appends
+Inside `record_attention()`, every call of `layers.attend` (the XLA attention path) also appends
 its softmax probabilities to a list, in call order: one entry per layer of each `encode` or
 `decode` traced or run inside the block. The model's outputs still come from the original
-`attend`, so nothing in network.py changes and its hot path pays nothing outside the block.
+`attend`, so nothing in layers.py changes and its hot path pays nothing outside the block.
 
     cfg = attention_probe.recordable(cfg)
     with attention_probe.record_attention() as probs:
-      logits = network.decode(params, cfg, canvas_BxC, cache)
+      logits = transformer.decode(params, cfg, canvas_BxC, cache)
     # probs[i]: layer i's probabilities [B, H, C, S + C] over the keys the decoder sees
     # (the S cache slots, then the canvas).
 
 Works eagerly and inside a `jax.jit`-traced function (return the recorded arrays, or values
-computed from them, as its outputs). The patch is read when `network.attention` runs, so a
+computed from them, as its outputs). The patch is read when `layers.attention` runs, so a
 function jitted and traced before the block keeps its recording-free program.
 """
 
@@ -23,7 +23,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from diffgemma.model import network
+from diffgemma.model import layers
 from diffgemma.model.config import ModelConfig
 
 
@@ -35,7 +35,7 @@ def recordable(cfg: ModelConfig) -> ModelConfig:
 
 
 def attention_probs(q_BxTxHxd, k_BxSxKxd, mask_BxTxS):
-  """Softmax probabilities [B, H, T, S] float32 of `network.attend`: the same grouped layout
+  """Softmax probabilities [B, H, T, S] float32 of `layers.attend`: the same grouped layout
   (query head h reads kv head h // (H / K)), scaling 1.0 and masking, so the numbers are the
   ones `attend` multiplies the values by (before its cast to the values' dtype)."""
   b, t, h, d = q_BxTxHxd.shape
@@ -51,18 +51,18 @@ def attention_probs(q_BxTxHxd, k_BxSxKxd, mask_BxTxS):
 
 @contextlib.contextmanager
 def record_attention():
-  """Within the block, `network.attend` also records its probabilities [B, H, T, S] per call
+  """Within the block, `layers.attend` also records its probabilities [B, H, T, S] per call
   into the yielded list. Use a config from `recordable` (with the Pallas kernel or remat the
   list stays empty or cannot be used outside the block)."""
   records = []
-  original = network.attend
+  original = layers.attend
 
   def recording_attend(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, mask_BxTxS):
     records.append(attention_probs(q_BxTxHxd, k_BxSxKxd, mask_BxTxS))
     return original(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, mask_BxTxS)
 
-  network.attend = recording_attend
+  layers.attend = recording_attend
   try:
     yield records
   finally:
-    network.attend = original
+    layers.attend = original

@@ -3,7 +3,7 @@
 A LoRA run keeps two pytrees: the frozen base parameters and the adapters, a flat dict
 {path: {"a": A, "b": B}} for every targeted weight ("layers.3.attn.q", "layers.0.experts.gate_up",
 "self_conditioning.down", ...). `wrap` puts them together: each targeted leaf becomes a
-`LoraWeight`, which the model's one linear function (`network.linear`, and `network.moe` for the
+`LoraWeight`, which the model's one linear function (`layers.linear`, and `moe.moe` for the
 stacked experts) computes as
 
     x @ W + (alpha / rank) * (dropout(x) @ A) @ B
@@ -32,7 +32,7 @@ from diffgemma.model import fields
 Params = dict[str, Any]
 
 # Per linear weight name: (leading expert axes, input axes); the remaining axes are outputs.
-# These are all the linear maps of the model (network.py's parameter layout).
+# These are all the linear maps of the model (transformer.py's parameter layout).
 LINEAR_LAYOUTS = {
     "attn.q": (0, 1), "attn.k": (0, 1), "attn.v": (0, 1), "attn.o": (0, 2),
     "mlp.gate": (0, 1), "mlp.up": (0, 1), "mlp.down": (0, 1),

@@ -3,7 +3,7 @@
 `quantize_params` replaces each targeted linear weight with a `QuantizedWeight`: integer values
 (int8, or int4 stored two to a byte by XLA) and float scales, computed by qwix (`qwix.quantize`,
 symmetric absmax calibration: scale = absmax / (qmax + 1/2), q = clip(round(w / scale))). The
-model consumes it where it consumes any weight: `w.astype(dtype)` (what `network.linear`, the
+model consumes it where it consumes any weight: `w.astype(dtype)` (what `layers.linear`, the
 expert matmuls and `lora.merge_weight` call) dequantizes, q * scale in `dtype`, and `w[e]` takes
 expert e's rows, so the "tiled_scan" MoE dequantizes one expert at a time. Activations stay in
 the compute dtype (weight-only); nothing about the model's code paths changes.

@@ -28,10 +28,10 @@ from diffgemma.model import lora
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical axes of each parameter (by the end of its dotted path) come from the modules'
-# partitioning metadata (`nn.with_logical_partitioning` in diffgemma/model/network.py, read by
-# `network.logical_axes_table`, which registers itself here when network.py is imported: this
-# file sits below it); vectors and scalars (norms, scales, layer scalars) carry none and are
-# replicated.
+# partitioning metadata (`nn.with_logical_partitioning` in `layers.Module.weight`, read by
+# `transformer.logical_axes_table`, which registers itself here when diffgemma/model/transformer.py
+# is imported: this file sits below it); vectors and scalars (norms, scales, layer scalars) carry
+# none and are replicated.
 _PARAM_AXES_SOURCE = None
 
 
@@ -43,8 +43,8 @@ def set_param_axes_source(source) -> None:
 def param_axes() -> dict[str, tuple[str, ...]]:
   """{weight name ("attn.q", "experts.gate_up", ...): logical axes}."""
   if _PARAM_AXES_SOURCE is None:
-    raise RuntimeError("the logical axes of the parameters come from diffgemma.model.network; "
-                       "import it first")
+    raise RuntimeError("the logical axes of the parameters come from "
+                       "diffgemma.model.transformer; import it first")
   return _PARAM_AXES_SOURCE()
 
 

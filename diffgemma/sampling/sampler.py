@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffgemma.model import fields, network
+from diffgemma.model import fields, transformer
 from diffgemma.model.config import ModelConfig
 
 DIFFUSION = "diffusion"
@@ -394,8 +394,8 @@ def denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, c
   b = state.canvas_BxC.shape[0]
   sample_key, noise_key = jax.random.split(rng)
   sc_mask_B = jnp.broadcast_to(state.step > 0, (b,))
-  logits_BxCxV = network.decode(params, model_cfg, state.canvas_BxC, cache, None,
-                              state.self_cond_BxCxV, sc_mask_B)
+  logits_BxCxV = transformer.decode(params, model_cfg, state.canvas_BxC, cache, None,
+                                    state.self_cond_BxCxV, sc_mask_B)
   tempered_BxCxV = logits_BxCxV / temperature(sampler_cfg.max_denoising_steps - state.step,
                                               sampler_cfg)
   # One log-softmax serves the draw, the acceptance and the stopping test.
@@ -481,11 +481,11 @@ def fused_sample(params, model_cfg: ModelConfig, tempered_BxCxV, rng, top_k: int
     sampled_BxC = jnp.take_along_axis(top_ids_BxCxK, choice_BxC[..., None], -1)[..., 0]
     return (sampled_BxC.astype(jnp.int32), top_ids_BxCxK[..., 0].astype(jnp.int32),
             _entropy(log_probs_BxCxK),
-            network.soft_embedding(params, jnp.exp(log_probs_BxCxK), model_cfg, top_ids_BxCxK))
+            transformer.soft_embedding(params, jnp.exp(log_probs_BxCxK), model_cfg, top_ids_BxCxK))
   log_probs_BxCxV = jax.nn.log_softmax(tempered_BxCxV, axis=-1)
   return (sample_categorical(rng, log_probs_BxCxV),
           jnp.argmax(tempered_BxCxV, axis=-1).astype(jnp.int32), _entropy(log_probs_BxCxV),
-          network.soft_embedding(params, jnp.exp(log_probs_BxCxV), model_cfg))
+          transformer.soft_embedding(params, jnp.exp(log_probs_BxCxV), model_cfg))
 
 
 def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cache,
@@ -495,8 +495,8 @@ def _fused_denoising_step(params, model_cfg: ModelConfig, sampler_cfg: SamplerCo
   b = state.canvas_BxC.shape[0]
   sample_key, noise_key = jax.random.split(rng)
   sc_mask_B = jnp.broadcast_to(state.step > 0, (b,))
-  logits_BxCxV = network.decode(params, model_cfg, state.canvas_BxC, cache, None, None, sc_mask_B,
-                              state.self_cond_embedding_BxCxD)
+  logits_BxCxV = transformer.decode(params, model_cfg, state.canvas_BxC, cache, None, None,
+                                    sc_mask_B, state.self_cond_embedding_BxCxD)
   tempered_BxCxV = logits_BxCxV / temperature(sampler_cfg.max_denoising_steps - state.step,
                                               sampler_cfg)
   sampled_BxC, argmax_BxC, entropy_BxC, embedding_BxCxD = fused_sample(
@@ -744,15 +744,16 @@ def _generate_diffusion(params, model_cfg: ModelConfig, sampler_cfg: SamplerConf
     # canvas follows: the last canvas is never encoded.
     if fallback:
       def commit(args):
-        hidden_BxCxD, cache = network.encode(params, model_cfg, canvas_BxC, args[0])
-        return cache, network.lm_head(params, hidden_BxCxD[:, -1], model_cfg).astype(jnp.float32)
+        hidden_BxCxD, cache = transformer.encode(params, model_cfg, canvas_BxC, args[0])
+        return cache, transformer.lm_head(params, hidden_BxCxD[:, -1], model_cfg).astype(
+            jnp.float32)
 
       cache, logits_BxV = jax.lax.cond(jnp.all(new_finished_B), lambda args: args, commit,
                                        (carry["cache"], carry["logits"]))
     else:
       cache = jax.lax.cond(
           jnp.all(new_finished_B), lambda cache: cache,
-          lambda cache: network.encode(params, model_cfg, canvas_BxC, cache)[1], carry["cache"])
+          lambda cache: transformer.encode(params, model_cfg, canvas_BxC, cache)[1], carry["cache"])
     new = dict(carry)
     new.update(
         k=k + 1, cache=cache, finished=new_finished_B,
@@ -840,8 +841,8 @@ def ar_next_token(logits_BxV, t, rng, sampler_cfg: SamplerConfig):
 def ar_forward(params, model_cfg: ModelConfig, cache, token_B):
   """One encoder pass over one token per row: (cache with it appended, next-token logits
   [B, V])."""
-  hidden, cache = network.encode(params, model_cfg, token_B[:, None], cache)
-  return cache, network.lm_head(params, hidden[:, -1], model_cfg)
+  hidden, cache = transformer.encode(params, model_cfg, token_B[:, None], cache)
+  return cache, transformer.lm_head(params, hidden[:, -1], model_cfg)
 
 
 def settle_steps(trajectory):
@@ -924,19 +925,19 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
   if rng is None:
     rng = jax.random.PRNGKey(0)
   max_len = prompt_len + num_canvases(model_cfg, sampler_cfg) * model_cfg.canvas_length
-  cache = network.init_cache(model_cfg, batch, max_len)
-  hidden_BxPxD, cache = network.encode(params, model_cfg, prompt_BxP.astype(jnp.int32), cache,
-                                     prompt_valid_BxP.astype(bool))
+  cache = transformer.init_cache(model_cfg, batch, max_len)
+  hidden_BxPxD, cache = transformer.encode(params, model_cfg, prompt_BxP.astype(jnp.int32), cache,
+                                           prompt_valid_BxP.astype(bool))
   fixed = None
   if fixed_BxL is not None:
     if sampler_cfg.mode == AR:
       raise ValueError("infilling needs mode='diffusion'")
     fixed = (jnp.asarray(fixed_BxL, jnp.int32), jnp.asarray(fixed_mask_BxL, bool))
   if sampler_cfg.mode == AR:
-    last_logits_BxV = network.lm_head(params, hidden_BxPxD[:, -1], model_cfg)
+    last_logits_BxV = transformer.lm_head(params, hidden_BxPxD[:, -1], model_cfg)
     return _generate_ar(params, model_cfg, sampler_cfg, cache, last_logits_BxV, rng)
   if sampler_cfg.ar_fallback:
-    last_logits_BxV = network.lm_head(params, hidden_BxPxD[:, -1], model_cfg)
+    last_logits_BxV = transformer.lm_head(params, hidden_BxPxD[:, -1], model_cfg)
     return _generate_diffusion(params, model_cfg, sampler_cfg, cache, batch, rng,
                                last_logits_BxV, fixed)
   return _generate_diffusion(params, model_cfg, sampler_cfg, cache, batch, rng, fixed=fixed)

@@ -12,7 +12,7 @@ have the 26B-A4B shapes.
 Pallas kernels are GPU (Triton) kernels that refuse TPU with a one-line error
 (`kernels.platform`). `lower` exports one program and reports what it became.
 
-Shape suffixes as in network.py.
+Shape suffixes as in diffgemma/model/transformer.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from diffgemma.model import attention_mask, network, sharding
+from diffgemma.model import attention_mask, layers, moe, sharding, transformer
 from diffgemma.model.config import FULL, SLIDING, ModelConfig, gemma_26b_a4b
 from diffgemma.model.kernels import attention as attention_kernel
 from diffgemma.model.kernels import moe as moe_kernel
@@ -69,7 +69,7 @@ def model_config(num_layers: int = 2, pallas: bool = False, **overrides) -> Mode
 
 def abstract_cache(cfg: ModelConfig, batch: int, slots: int):
   return jax.tree_util.tree_map(lambda x: S(x.shape, x.dtype),
-                                jax.eval_shape(lambda: network.init_cache(cfg, batch, slots)))
+                                jax.eval_shape(lambda: transformer.init_cache(cfg, batch, slots)))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -91,8 +91,8 @@ def attention_programs(cfg: ModelConfig, batch: int, pallas: bool) -> list[Progr
     def fwd(q, k, v, anchor, limit, pos, valid, window=window):
       if pallas:
         return attention_kernel.canvas_attention(q, k, v, anchor, limit, pos, valid, window)
-      return network.attend(q, k, v, attention_mask.attention_mask(anchor, limit, pos, valid,
-                                                                 window))
+      return layers.attend(q, k, v, attention_mask.attention_mask(anchor, limit, pos, valid,
+                                                                window))
 
     def bwd(q, k, v, anchor, limit, pos, valid, fwd=fwd):
       out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, anchor, limit, pos, valid), q, k, v)
@@ -114,9 +114,9 @@ def moe_programs(cfg: ModelConfig, batch: int, pallas: bool) -> list[Program]:
   def fwd(x, group_sizes, gate_up, down, row_weights):
     if pallas:
       return moe_kernel.expert_mlp(x, group_sizes, gate_up, down, row_weights)
-    groups = network.ExpertGroups.make(group_sizes, m, cfg)
-    gate, up = jnp.split(network.expert_matmul(groups.to_rows(x), gate_up, groups), 2, axis=-1)
-    y = groups.from_rows(network.expert_matmul(network.gelu_tanh(gate) * up, down, groups))
+    groups = moe.ExpertGroups.make(group_sizes, m, cfg)
+    gate, up = jnp.split(moe.expert_matmul(groups.to_rows(x), gate_up, groups), 2, axis=-1)
+    y = groups.from_rows(moe.expert_matmul(layers.gelu_tanh(gate) * up, down, groups))
     return y * row_weights[:, None].astype(y.dtype)
 
   def bwd(x, group_sizes, gate_up, down, row_weights):
@@ -146,13 +146,13 @@ def fused_sample_program(cfg: ModelConfig, batch: int) -> Program:
 def decoder_step_program(cfg: ModelConfig, batch: int) -> Program:
   """One decoder pass over a canvas after a 4096-token cached prefix, with self-conditioning
   from the previous step's embedding (as the fused sampler feeds it)."""
-  params = jax.tree_util.tree_map(lambda x: S(x.shape, x.dtype), network.abstract_params(cfg))
+  params = jax.tree_util.tree_map(lambda x: S(x.shape, x.dtype), transformer.abstract_params(cfg))
   cache = abstract_cache(cfg, batch, PREFIX + CANVAS)
   dt = jnp.dtype(cfg.compute_dtype)
 
   def fn(params, canvas, cache, embedding):
-    return network.decode(params, cfg, canvas, cache, None, None, jnp.ones((batch,), bool),
-                        embedding)
+    return transformer.decode(params, cfg, canvas, cache, None, None, jnp.ones((batch,), bool),
+                              embedding)
 
   return Program(f"decoder_step_B{batch}", fn,
                  (params, S((batch, CANVAS), jnp.int32), cache,
@@ -162,7 +162,7 @@ def decoder_step_program(cfg: ModelConfig, batch: int) -> Program:
 
 def sampler_loop_program(cfg: ModelConfig, batch: int, fused: bool = True) -> Program:
   """The per-canvas denoising loop (`sampler.denoise_canvas`, report defaults)."""
-  params = jax.tree_util.tree_map(lambda x: S(x.shape, x.dtype), network.abstract_params(cfg))
+  params = jax.tree_util.tree_map(lambda x: S(x.shape, x.dtype), transformer.abstract_params(cfg))
   cache = abstract_cache(cfg, batch, PREFIX + CANVAS)
   sampler_cfg = sampler.SamplerConfig(fused_step=fused)
 

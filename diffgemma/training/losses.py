@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from diffgemma.model import fields, network
+from diffgemma.model import fields, transformer
 from diffgemma.model.config import ModelConfig
 from diffgemma.training import diffusion
 
@@ -206,8 +206,9 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng,
 
   # The decoder never needs the last canvas's K/V; without an encoder loss, skip encoding it.
   encode_len = seq_len if loss_cfg.uses_encoder_loss else p + (num_canvases - 1) * c
-  cache = network.init_cache(cfg, b, encode_len)
-  hidden, cache = network.encode(params, cfg, tokens[:, :encode_len], cache, valid[:, :encode_len])
+  cache = transformer.init_cache(cfg, b, encode_len)
+  hidden, cache = transformer.encode(params, cfg, tokens[:, :encode_len], cache,
+                                     valid[:, :encode_len])
 
   # Weights multiply the masks that normalized_mean reduces over: a weighted mean.
   weight_BxL = token_weights(tokens, loss_mask, cfg.eos_token_id, loss_cfg.end_weight)
@@ -219,7 +220,7 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng,
       scope_BxL = loss_mask | (jnp.arange(seq_len) < p)[None]
     # A pair needs its input token valid too: a padding slot before the prompt sees nothing.
     targets_mask = valid[:, :-1] & valid[:, 1:] & scope_BxL[:, 1:]
-    logits = network.lm_head(params, hidden[:, :-1], cfg)
+    logits = transformer.lm_head(params, hidden[:, :-1], cfg)
     encoder_loss = normalized_mean(cross_entropy(logits, tokens[:, 1:]),
                                    targets_mask * weight_BxL[:, 1:], jnp.arange(b), b,
                                    loss_cfg.normalization)
@@ -277,7 +278,7 @@ def self_conditioned_logits(params, cfg: ModelConfig, noisy_BxC, cache, prefix_l
   k, g = self_conditioning_rows(b, self_conditioning_prob)
   sc_mask_B = jnp.arange(b) % g < k
   if not k:
-    logits = network.decode(params, cfg, noisy_BxC, cache, prefix_len_B, None, sc_mask_B)
+    logits = transformer.decode(params, cfg, noisy_BxC, cache, prefix_len_B, None, sc_mask_B)
     return logits, None, sc_mask_B
 
   def take(x):  # [B, ...] -> the self-conditioned rows [B / g * k, ...]
@@ -292,7 +293,8 @@ def self_conditioned_logits(params, cfg: ModelConfig, noisy_BxC, cache, prefix_l
               "valid": take(cache["valid"]), "end": cache["end"]}
   with jax.named_scope("self_conditioning_pass"):
     first = jax.lax.stop_gradient(
-        network.decode(params, cfg, take(noisy_BxC), sc_cache, take(prefix_len_B)))
-  soft_BxCxD = spread(network.self_conditioning_embedding(params, first, cfg))
-  logits = network.decode(params, cfg, noisy_BxC, cache, prefix_len_B, None, sc_mask_B, soft_BxCxD)
+        transformer.decode(params, cfg, take(noisy_BxC), sc_cache, take(prefix_len_B)))
+  soft_BxCxD = spread(transformer.self_conditioning_embedding(params, first, cfg))
+  logits = transformer.decode(params, cfg, noisy_BxC, cache, prefix_len_B, None, sc_mask_B,
+                              soft_BxCxD)
   return logits, spread(first), sc_mask_B

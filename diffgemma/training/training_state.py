@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from diffgemma.io import model_dirs
-from diffgemma.model import lora, network, quantize, sharding
+from diffgemma.model import lora, quantize, sharding, transformer
 from diffgemma.model.config import NUMERICS_FIELDS, ModelConfig
 from diffgemma.runs import checkpointing
 from diffgemma.training import budget, optimizer, run_config
@@ -116,7 +116,7 @@ def load_initial_params(model_cfg: ModelConfig, init_from: str, seed: int, mesh=
   shardings = None
   if mesh is not None:
     arch = model_cfg.replace(param_dtype=dtype)
-    shardings = sharding.tree_shardings(network.abstract_params(arch), mesh, rules)
+    shardings = sharding.tree_shardings(transformer.abstract_params(arch), mesh, rules)
   arch, params = model_dirs.load_model(init_from, dtype=dtype, shardings=shardings,
                                        rng=jax.random.PRNGKey(seed), **numerics(model_cfg))
   differs = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in NUMERICS_FIELDS
@@ -131,10 +131,10 @@ def base_params_shape(setup: Setup):
   """Shapes of the frozen base of a LoRA run (in lora.base_dtype; QLoRA: quantized from the
   model's param_dtype)."""
   if setup.quantize_cfg is not None:
-    shapes = network.abstract_params(setup.model_cfg)
+    shapes = transformer.abstract_params(setup.model_cfg)
     return jax.eval_shape(lambda p: quantize.quantize_params(p, setup.quantize_cfg), shapes)
   cfg = setup.model_cfg.replace(param_dtype=setup.lora_cfg.base_dtype)
-  return network.abstract_params(cfg)
+  return transformer.abstract_params(cfg)
 
 
 def sharded_shapes(shapes, setup: Setup):
@@ -195,7 +195,7 @@ def init_state(setup: Setup, params=None, frozen=None):
   if setup.uses_lora:
     params = lora.init(frozen, setup.lora_cfg, init_rng)
   elif params is None:
-    params = network.init_params(setup.model_cfg, init_rng)
+    params = transformer.init_params(setup.model_cfg, init_rng)
   zero = lambda: jnp.zeros((), jnp.int32)  # separate buffers: each may be donated
   return {"step": zero(), "params": params, "opt_state": setup.tx.init(params),
           "rng": train_rng, "nonfinite": zero(), "nonfinite_step": zero()}

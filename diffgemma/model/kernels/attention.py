@@ -2,7 +2,7 @@
 
 `canvas_attention` is a drop-in for
 
-    network.attend(q, k, v, attention_mask(q_anchor, q_limit, kv_pos, kv_valid, window))
+    layers.attend(q, k, v, attention_mask(q_anchor, q_limit, kv_pos, kv_valid, window))
 
 that takes the mask's ingredients instead of a materialised [B, T, S] mask. It serves the decoder
 (C canvas queries against [cached prefix slots | canvas keys]) and the causal encoder (anchor =
@@ -100,7 +100,7 @@ def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
       is what selects Triton over Mosaic GPU); num_warps None = 4 for d <= 64 else 8.
 
   Returns:
-    out_BxTxHxd in q's dtype, equal to `network.attend(q, k, v, attention_mask(...))` up to
+    out_BxTxHxd in q's dtype, equal to `layers.attend(q, k, v, attention_mask(...))` up to
     float rounding (rows with no visible key included).
   """
   b, t, h, d = q_BxTxHxd.shape

@@ -1,7 +1,7 @@
 """Pallas grouped-matmul expert MLP for the MoE layer (docs/design.md, "Kernels").
 
-`expert_mlp` is a drop-in for the grouped part of `network.moe`: rows sorted by expert go through
-their expert's gated MLP, y = (gelu_tanh(x Wg) * (x Wu)) Wd * row_weight. `network.moe` calls it
+`expert_mlp` is a drop-in for the grouped part of `moe.moe`: rows sorted by expert go through
+their expert's gated MLP, y = (gelu_tanh(x Wg) * (x Wu)) Wd * row_weight. `moe.moe` calls it
 (between its sort and scatter-add) when `moe_impl="pallas"`.
 
 Layout. The wrapper pads every expert's rows to whole tiles of `block_m` rows (as

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from diffgemma.model import network, sharding
+from diffgemma.model import sharding, transformer
 from diffgemma.model.config import ModelConfig
 from diffgemma.runs import distributed, guard
 from diffgemma.sampling import sampler
@@ -224,7 +224,7 @@ def _self_cond_embedding(params, model_cfg: ModelConfig, sampler_cfg: sampler.Sa
   if sampler_cfg.fused_step:
     emb_BxCxD = state.self_cond_embedding_BxCxD
   else:
-    emb_BxCxD = network.self_conditioning_embedding(params, state.self_cond_BxCxV, model_cfg)
+    emb_BxCxD = transformer.self_conditioning_embedding(params, state.self_cond_BxCxV, model_cfg)
   return jnp.where(state.step > 0, emb_BxCxD, 0).astype(model_cfg.compute_dtype)
 
 
@@ -277,10 +277,10 @@ def context_tokens(tokens_BxL, model_cfg: ModelConfig):
 def encode_context(params, model_cfg: ModelConfig, prompt_BxP, prompt_valid_BxP, context_BxT):
   """The encoder cache of prompt + committed canvases (slots as the sampler's)."""
   b, p = prompt_BxP.shape
-  cache = network.init_cache(model_cfg, b, p + context_BxT.shape[1] + model_cfg.canvas_length)
+  cache = transformer.init_cache(model_cfg, b, p + context_BxT.shape[1] + model_cfg.canvas_length)
   tokens = jnp.concatenate([prompt_BxP, context_BxT], axis=1).astype(jnp.int32)
   valid = jnp.concatenate([prompt_valid_BxP, jnp.ones(context_BxT.shape, bool)], axis=1)
-  return network.encode(params, model_cfg, tokens, cache, valid)[1]
+  return transformer.encode(params, model_cfg, tokens, cache, valid)[1]
 
 
 def _row_major(x_KxMxB):
@@ -389,12 +389,12 @@ def _decoder_logits(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg, b
   cache_U = losses.take_cache_rows(cache, jnp.repeat(jnp.arange(b), s))
   prefix_U = flat(batch["prefix_len_BxS"])
   if cfg.mode != "rl":
-    return network.decode(params, model_cfg, flat(batch["canvas_BxSxC"]), cache_U, prefix_U, None,
-                        None, flat(batch["self_cond_BxSxCxD"])), None
+    return transformer.decode(params, model_cfg, flat(batch["canvas_BxSxC"]), cache_U, prefix_U,
+                              None, None, flat(batch["self_cond_BxSxCxD"])), None
   if inputs is not None:
     noisy_UxC, sc_logits, sc_mask_U = inputs
-    return network.decode(params, model_cfg, noisy_UxC, cache_U, prefix_U, sc_logits,
-                        sc_mask_U), inputs
+    return transformer.decode(params, model_cfg, noisy_UxC, cache_U, prefix_U, sc_logits,
+                              sc_mask_U), inputs
   t_rng, noise_rng = jax.random.split(rng)
   target_UxC = flat(batch["target_BxSxC"])
   t_U = diffusion.sample_noise_level(t_rng, target_UxC.shape[0], loss_cfg.t_eps,
@@ -623,7 +623,7 @@ class SdrlStage:
   def batch_shapes(self):
     """Shapes of one update's batch, from the rollout and state programs traced abstractly."""
     model_cfg, b = self.setup.model_cfg, self.cfg.rows
-    params = network.abstract_params(model_cfg)
+    params = transformer.abstract_params(model_cfg)
     p = self.task.layout.prompt_len
     prompt = jax.ShapeDtypeStruct((b, p), jnp.int32)
     valid = jax.ShapeDtypeStruct((b, p), jnp.bool_)
