@@ -617,12 +617,16 @@ class ChatTask(RlTask):
     return reply
 
   def split_reply(self, tokens) -> tuple[str | None, str]:
-    """(thought, answer) of a generated row's reply (`reply_ids`): the answer is what follows
-    the last close of a thinking channel, the thought the channel's text (its name and the
-    surrounding newlines stripped). A reply that opens no channel is all answer (thought None);
-    one whose last channel never closes (the budget ended inside a thought) has no answer ("").
-    The one cut of evaluation, rewards and sample.py."""
-    ids = self.reply_ids(tokens)
+    """(thought, answer) of a generated row's reply (`reply_ids`, then `split_reply_ids`): the
+    one cut of evaluation, rewards, sample.py and the harness."""
+    return self.split_reply_ids(self.reply_ids(tokens))
+
+  def split_reply_ids(self, ids: Sequence[int]) -> tuple[str | None, str]:
+    """(thought, answer) texts of a reply's ids: the answer is what follows the last close of a
+    thinking channel, the thought the channel's text (its name and the surrounding whitespace
+    stripped). A reply that opens no channel is all answer (thought None); one whose last
+    channel never closes (the budget ended inside a thought) has no answer ("")."""
+    ids = list(ids)
     opening, closing = self.tokenizer.channel_marker_ids()
     opened, closed = _find(ids, opening), _find(ids, closing, last=True)
     if opened is None and closed is None:
