@@ -26,8 +26,7 @@ the answer is scored, so a thought that holds the right answer does not count.
 A user reward function (`rl.reward_fn="package.module:function"`) is called as
 `function(prompt, reply, reference) -> float` with the last user turn's text, the generated
 reply's answer (up to its first stop token, after its thought) and the reference reply; the
-value is clipped to
-[0, 1], and a row is "correct" when it scores 1.
+value is clipped to [0, 1], and a row is "correct" when it scores 1.
 """
 
 from __future__ import annotations
