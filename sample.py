@@ -5,9 +5,10 @@ output, with the tokenizer files beside the weights), with the report's sampler 
 
   python sample.py --init_from=/ckpt/diffusiongemma-26b-a4b-it --prompt="Why is the sky blue?"
 
-The prompt is one user turn of the chat template (`--chat=false`: plain text after BOS); the
-reply ends at EOS or at the end-of-turn marker. Sudoku, from a training run, showing the canvas
-after every denoising step:
+The prompt is one user turn of the chat template (`--chat=false`: plain text after BOS;
+`--thinking`: in the template's thinking mode, and a reply that thinks is printed as its thought,
+then its answer); the reply ends at EOS or at the end-of-turn marker. Sudoku, from a training
+run, showing the canvas after every denoising step:
 
   python sample.py --workdir=/tmp/sudoku --puzzle=53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79
 
@@ -36,6 +37,9 @@ _INIT_FROM = flags.DEFINE_string(
 _PROMPT = flags.DEFINE_string("prompt", None, "Text mode: the prompt.")
 _CHAT = flags.DEFINE_bool("chat", True, "Text mode: wrap the prompt in the chat template "
                           "(one user turn, then the opening of the model turn).")
+_THINKING = flags.DEFINE_bool(
+    "thinking", False, "Text mode: render the prompt in the chat template's thinking mode "
+    "(enable_thinking); the reply's thought is printed apart from the answer after it.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
     "max_new_tokens", None, "Text mode: token budget (whole canvases are denoised); default: "
     "the sampler's (256).")
@@ -76,6 +80,9 @@ def main(argv):
       traces.check_trace_path(_TRACE.value)  # text replies: HTML
     except ValueError as e:
       raise cli.UserError(str(e)) from None
+  if _THINKING.value and _INIT_FROM.value is None:
+    raise cli.UserError("--thinking is for text mode (--init_from); a training run's --workdir "
+                        "samples in the run's own data.thinking mode")
   if _WARM_RUNS.value < 0:
     raise cli.UserError(f"--warm_runs must be >= 0 (got {_WARM_RUNS.value})")
   distributed.initialize_from_flags()  # every process samples the same; 0 prints and writes
@@ -116,7 +123,8 @@ def sample_text():
   # Everything cheap is checked before the weights load (minutes for a large model).
   hf_config = _read_json(os.path.join(path, "config.json"))
   try:
-    task = tasks.checkpoint_text_task(path, max_new, text, chat=_CHAT.value)
+    task = tasks.checkpoint_text_task(path, max_new, text, chat=_CHAT.value,
+                                      thinking=_THINKING.value)
     prompts = task.prompt_from_text(text, chat=_CHAT.value)
   except ValueError as e:  # a tokenizer or checkpoint file (errors.InputError), a prompt
     raise cli.UserError(str(e)) from None
@@ -161,7 +169,10 @@ def sample_text():
   if infill is not None:
     print(task.infill_reply_text(out.tokens[0], infill[1]))
   else:
-    print(task.reply_text(out.tokens[0]))
+    thought, answer = task.split_reply(out.tokens[0])
+    if thought is not None:
+      print(f"[thought]\n{thought}\n[answer]")
+    print(answer)
   num_tokens, canvases = int(out.num_tokens[0]), int(out.num_canvases[0])
   ended = (f"stopped at {task.tokenizer.decode([tokens[end]], skip_special_tokens=False)!r}"
            if end is not None else "token budget reached")

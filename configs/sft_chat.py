@@ -56,7 +56,8 @@ def get_config(variant: str = "count"):
 
   c.data = ml_collections.ConfigDict(dict(
       train="", weights="", eval="", eval_fraction=0.0, tokenizer="bytes",
-      **LAYOUTS[variant], overflow="truncate_left", seed=1, num_threads=1, prefetch=4))
+      **LAYOUTS[variant], overflow="truncate_left", seed=1, num_threads=1, prefetch=4,
+      thinking=False))
 
   # The sampler's budget is the layout's K canvases.
   c.sampler.max_new_tokens = LAYOUTS[variant]["num_canvases"] * CANVAS

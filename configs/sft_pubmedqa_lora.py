@@ -39,7 +39,8 @@ def get_config():
 
   c.data = ml_collections.ConfigDict(dict(
       train="", weights="", eval="", eval_fraction=0.0, tokenizer="", prompt_len=1024,
-      num_canvases=2, overflow="truncate_left", seed=1, num_threads=1, prefetch=4))
+      num_canvases=2, overflow="truncate_left", seed=1, num_threads=1, prefetch=4,
+      thinking=False))
   c.sampler.max_new_tokens = 2 * 256
 
   c.eval = ml_collections.ConfigDict(dict(

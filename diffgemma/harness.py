@@ -30,12 +30,14 @@ eval.batch_size).
 
 The three requests:
   generate_until         prompts (chat-templated when the harness asks, --apply_chat_template
-                         and --system_instruction; else BOS and the plain text) left-padded to
+                         and --system_instruction, in the run's thinking mode, data.thinking;
+                         else BOS and the plain text) left-padded to
                          the run's prompt slots and decoded by the run's sampler in batches of
                          --batch_size, in request order: `evaluation.generate_in_batches`, the
                          loop eval.py runs, so the same data, batch and seed give eval.py's
                          tokens. The reply is cut at its first stop id (as eval.py), then at
-                         `max_gen_toks` tokens, then before the first `until` string. The
+                         `max_gen_toks` tokens, then to the answer after its thought (as
+                         eval.py scores it), then before the first `until` string. The
                          sampler's budget (max_new_tokens) is fixed when it compiles: a larger
                          max_gen_toks is warned about once and cannot lengthen a reply. Other
                          generation kwargs (temperature, do_sample) are not used: the sampler's
@@ -328,7 +330,8 @@ class DiffGemmaLM(TemplateLM):
                           add_generation_prompt: bool = True) -> str:
     """The chat template's text (BOS and turn markers as strings; `tok_encode` reads them
     back as their ids, as `Tokenizer.render` does)."""
-    return self.tok.render_text(chat_history, add_generation_prompt=add_generation_prompt)
+    return self.tok.render_text(chat_history, add_generation_prompt=add_generation_prompt,
+                                enable_thinking=self.task.settings.thinking)
 
   def get_model_info(self) -> dict:
     return {"diffgemma_source": self.run.source, "diffgemma_step": self.run.step,
@@ -550,12 +553,13 @@ class DiffGemmaLM(TemplateLM):
 
   def reply(self, tokens_L, gen_kwargs: dict) -> str:
     """A generated row's text: up to the first stop id (the task's cut, as eval.py), at most
-    max_gen_toks tokens, then cut before the first of the `until` strings."""
+    max_gen_toks tokens, the answer after its thought (the task's `split_reply_ids`), then cut
+    before the first of the `until` strings."""
     ids = self.reply_ids(tokens_L)
     cap = gen_kwargs.get("max_gen_toks")
     if cap is not None:
       ids = ids[:max(int(cap), 0)]
-    text = self.tok.decode(ids)
+    _, text = self.task.split_reply_ids(ids)
     until = gen_kwargs.get("until") or []
     for stop in [until] if isinstance(until, str) else until:
       if stop:

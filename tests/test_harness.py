@@ -6,6 +6,7 @@ float32 model), and is_greedy an argmax check; loglikelihood_rolling equals the 
 windows, rebuilt by hand; lm_eval.simple_evaluate on the local chat task gives eval.py's
 exact-match accuracy; errors are one line."""
 
+import dataclasses
 import functools
 import os
 import sys
@@ -246,6 +247,21 @@ def test_errors_are_one_line(workdir, tmp_path, monkeypatch, capfd):
   assert harness.harness_argv(["--tasks", "t"]) == ["--tasks", "t", "--include_path",
                                                     harness.TASKS_DIR]
   assert harness.harness_argv(["--include_path", "x"]) == ["--include_path", "x"]
+
+
+def test_thinking_prompts_and_the_answer_after_the_thought(workdir):
+  """In the run's thinking mode (data.thinking) the chat template opens with <|think|>; a
+  reply is the answer after its thought, as eval.py scores it, before the `until` cut."""
+  lm = harness.DiffGemmaLM(workdir=workdir, batch_size=4)
+  tok = lm.tok
+  ids = tok.encode("<|channel>thought\nab<channel|>xyz") + [tok.eot_id]
+  row = np.concatenate([ids, np.full(48 - len(ids), tok.pad_id)]).astype(np.int32)
+  assert lm.reply(row, {}) == "xyz" and lm.reply(row, {"until": ["z"]}) == "xy"
+  assert lm.reply(row, {"max_gen_toks": 12}) == ""  # cut inside the thought: no answer
+  turn = [{"role": "user", "content": "hi"}]
+  assert "<|think|>" not in lm.apply_chat_template(turn)
+  lm.task.settings = dataclasses.replace(lm.task.settings, thinking=True)
+  assert lm.apply_chat_template(turn).startswith("<bos><|turn>system\n<|think|>\n<turn|>\n")
 
 
 def test_module_command_answers_help():

@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer, GemmaTokenizer
 
 from diffgemma.io import tokenizer as tokenizer_lib
-from tests.helpers import ROOT, one_line_error
+from tests.helpers import ROOT, one_line_error, run_in_one_process
 from tests.helpers import SPECIALS, write_tokenizer_json, write_sentencepiece  # noqa: F401 (re-exported)
 
 TEXT = "hello world, the lazy fox"
@@ -284,3 +284,28 @@ def test_sample_text_errors(checkpoint, tmp_path):
   one_line_error(run("sample.py", f"--init_from={checkpoint}", "--prompt=hi",
                      "--puzzle=" + "." * 81), "not both")
   one_line_error(run("sample.py", f"--init_from={checkpoint}"), "--prompt")
+
+
+def test_sample_thinking(checkpoint, tmp_path):
+  """--thinking: the prompt in the template's thinking mode (this template then leaves out the
+  empty thought channel); one-line errors where there is no thinking mode to ask for."""
+  d = shutil.copytree(checkpoint, tmp_path / "thinking")
+  (d / "chat_template.jinja").write_text(GEMMA4_TEMPLATE.replace("THOUGHT", EMPTY_THOUGHT))
+  prompt = "hello world"
+  argvs = [["sample.py", f"--init_from={d}", f"--prompt={prompt}", "--thinking",
+            "--max_new_tokens=8", "--warm_runs=0"],
+           ["sample.py", f"--init_from={checkpoint}", f"--prompt={prompt}", "--thinking"],
+           ["sample.py", f"--init_from={d}", f"--prompt={prompt}", "--thinking", "--chat=false"],
+           ["sample.py", f"--workdir={tmp_path}", f"--prompt={prompt}", "--thinking"],
+           ["sample.py", "--thinking", "--help"]]
+  (code, out, err), *errors, (help_code, help_text, _) = run_in_one_process(argvs)
+  assert code == 0, err
+  assert help_code == 0 and "--[no]thinking: Text mode: render the prompt" in help_text
+  tok = tokenizer_lib.load_tokenizer(d)
+  thinking = tok.chat_prompt(prompt, enable_thinking=True)
+  assert len(thinking) < len(tok.chat_prompt(prompt))  # the empty channel is gone
+  assert int(SUMMARY.match(out.rstrip("\n").splitlines()[-1]).group(1)) == len(thinking)
+  for (code, _, err), needles in zip(errors, [("--thinking", "no thinking mode"),
+                                              ("thinking mode", "--chat"),
+                                              ("--thinking", "--init_from")]):
+    one_line_error(subprocess.CompletedProcess([], code, "", err), *needles)

@@ -6,7 +6,9 @@ globals and filters: `raise_exception(message)`, `strftime_now(format)`, a `tojs
 does not escape HTML (`json.dumps`, `ensure_ascii=False`), and guarded `dict` / `namespace`
 callables. It renders with the variables
   messages                the conversation: dicts with "role" and "content" (None-valued keys
-                          dropped),
+                          dropped); a message's thought, given under any of REASONING_KEYS,
+                          is copied to "reasoning_content" and "thinking" (transformers'
+                          aliasing: templates read one name or the other),
   tools, documents        None here,
   add_generation_prompt   whether to open the model's turn after the last message,
   <name>_token            the tokenizer's named special tokens (bos_token, eos_token, ...), as
@@ -32,6 +34,8 @@ import jinja2.utils
 from diffgemma import errors
 
 ROLES = ("system", "user", "assistant")
+# The names a message's thought (reasoning) goes under; the first is the one templates read.
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatTemplateError(errors.InputError):
@@ -72,7 +76,8 @@ def render(template: str, messages: Sequence[Mapping[str, Any]],
   if not messages:
     raise ChatTemplateError("cannot render an empty conversation")
   compiled = _compile(template)
-  chat = [_plain({k: v for k, v in m.items() if v is not None}) for m in messages]
+  chat = [_alias_reasoning(_plain({k: v for k, v in m.items() if v is not None}))
+          for m in messages]
   variables = _plain({**special_tokens, **kwargs})
   try:
     return compiled.render(messages=chat, tools=None, documents=None,
@@ -182,6 +187,15 @@ def _plain(value: Any) -> Any:
   if hasattr(value, "item") and callable(value.item):  # numpy scalars
     return _plain(value.item())
   return f"<{type(value).__name__}>"  # anything else: an inert placeholder
+
+
+def _alias_reasoning(message: dict) -> dict:
+  """The message with its thought (the first of REASONING_KEYS it has) also under
+  "reasoning_content" and "thinking", as transformers' apply_chat_template passes it."""
+  thought = next((message[k] for k in REASONING_KEYS if message.get(k) is not None), None)
+  if thought is None:
+    return message
+  return {"thinking": thought, **message, "reasoning_content": thought}
 
 
 def _token_content(value: Any) -> str | None:

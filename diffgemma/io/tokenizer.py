@@ -16,6 +16,16 @@ and `chat_prompt`, one user message with the generation prompt
 The turn markers come from the checkpoint (`sot_token` / `eot_token` in tokenizer_config.json, or
 the pair its chat template uses, or the pair its vocabulary has), falling back to Gemma 4's.
 Without a chat template, `chat_prompt` writes the Gemma layout above itself and `render` fails.
+
+Thinking (Gemma 4). `render` and `chat_prompt` pass the template `enable_thinking` (Gemma 4's
+templates then open a system turn with <|think|>). A reply's thought is written in the thinking
+channel, as Gemma 4's template writes it and the model generates it:
+
+  <|channel>thought\n{thought}\n<channel|>{answer}<turn|>
+
+(`thought_text`; the channel markers are `soc_token` / `eoc_token`, Gemma 4's by default).
+A template has a thinking mode when it reads `enable_thinking`, and a thinking channel when it
+writes `<|channel>thought`.
 """
 
 from __future__ import annotations
@@ -41,21 +51,44 @@ GEMMA3_TURN = ("<start_of_turn>", "<end_of_turn>")
 # Gemma 4's channel markers (soc_token / eoc_token): with thinking off, the 26B-A4B template
 # opens the model turn with an empty thought channel.
 GEMMA4_CHANNEL = ("<|channel>", "<channel|>")
+THOUGHT_CHANNEL = "thought"  # the channel's name after its opening marker
+THINKING_VARIABLE = "enable_thinking"  # the template variable of thinking mode
 USER_ROLE, MODEL_ROLE = "user", "model"
 _MARKERS = frozenset(GEMMA4_TURN + GEMMA3_TURN + GEMMA4_CHANNEL)
 DEFAULT_SPECIALS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 BYTES = "bytes"  # load_tokenizer's name for the byte-level tokenizer
 
 # The byte-level tokenizer's chat template: Gemma 4's turn layout (a system turn of its own,
-# "model" for the assistant, contents trimmed).
+# "model" for the assistant, contents trimmed) and its thinking mode: `enable_thinking` opens a
+# system turn with <|think|> (the system message, if any, follows it), and an assistant turn
+# after the last user turn writes its thought in the thinking channel (earlier turns' thoughts
+# are dropped, as Gemma 4 drops them from the history). Its markers are plain bytes here.
 BYTES_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- set thinking = enable_thinking is defined and enable_thinking -%}
+{%- if thinking -%}
+  {{- '<|turn>system\\n<|think|>\\n' -}}
+  {%- if messages and messages[0]['role'] == 'system' -%}
+    {{- messages[0]['content'] | trim -}}
+  {%- endif -%}
+  {{- '<turn|>\\n' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
 {%- for message in messages -%}
   {%- if message['role'] not in ['system', 'user', 'assistant'] -%}
     {{- raise_exception('unknown role ' + message['role'] + '; use system, user or assistant') -}}
   {%- endif -%}
-  {{- '<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}
-  {{- message['content'] | trim -}}
-  {{- '<turn|>\\n' -}}
+  {%- if not (thinking and loop.first and message['role'] == 'system') -%}
+    {{- '<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}
+    {%- set thought = message.get('reasoning_content') -%}
+    {%- if message['role'] == 'assistant' and thought and loop.index0 > ns.last_user -%}
+      {{- '<|channel>thought\\n' + thought + '\\n<channel|>' -}}
+    {%- endif -%}
+    {{- message['content'] | trim -}}
+    {{- '<turn|>\\n' -}}
+  {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
   {{- '<|turn>model\\n' -}}
@@ -76,8 +109,12 @@ class Tokenizer:
     bos_id, eos_id, pad_id: the special ids.
     start_of_turn, end_of_turn: the chat turn markers (token strings).
     eot_id: id of `end_of_turn`, a stop token for chat replies; None if the vocabulary lacks it.
-    generation_suffix: text the chat template adds after the model-turn opening ("" usually).
+    generation_suffix: text the chat template adds after the model-turn opening with thinking
+      off ("" usually).
     chat_template: the template's jinja text (None if the directory has none).
+    thinking_mode: the template reads `enable_thinking`.
+    thinking_channel: (opening, closing) text around a thought (`thought_text`) when the template
+      writes the thinking channel; None otherwise.
     template_variables: the special-token variables the template sees (bos_token, ...).
   """
 
@@ -98,6 +135,11 @@ class Tokenizer:
     self._channel = _channel_markers(config)
     self.generation_suffix = _generation_suffix(self._channel, template)
     self.chat_template = template
+    self.thinking_mode = template is not None and THINKING_VARIABLE in template
+    soc, eoc = self._channel
+    self.thinking_channel = ((f"{soc}{THOUGHT_CHANNEL}\n", f"\n{eoc}")
+                             if template is not None and f"{soc}{THOUGHT_CHANNEL}" in template
+                             else None)
     self.template_variables = chat_template.special_token_variables(config, DEFAULT_SPECIALS)
 
   def encode(self, text: str) -> list[int]:
@@ -119,31 +161,71 @@ class Tokenizer:
     return tuple(dict.fromkeys(i for i in (self.eos_id, self.eot_id) if i is not None))
 
   def render_text(self, messages: Sequence[Mapping[str, Any]],
-                  add_generation_prompt: bool = False) -> str:
-    """The chat template's text for `messages` (dicts with "role" and "content")."""
+                  add_generation_prompt: bool = False, enable_thinking: bool = False) -> str:
+    """The chat template's text for `messages` (dicts with "role" and "content", an assistant
+    turn's thought under "reasoning_content"), in thinking mode or not (the template variable
+    `enable_thinking`, passed either way)."""
     if self.chat_template is None:
       raise TokenizerError(
           f"tokenizer in {self.directory} has no chat template: add chat_template.jinja (or a "
           f"chat_template entry in {TOKENIZER_CONFIG}) beside it")
     try:
       return chat_template.render(self.chat_template, messages, self.template_variables,
-                                  add_generation_prompt)
+                                  add_generation_prompt,
+                                  **{THINKING_VARIABLE: bool(enable_thinking)})
     except chat_template.ChatTemplateError as e:
       raise TokenizerError(f"{e} (tokenizer in {self.directory})") from e
 
   def render(self, messages: Sequence[Mapping[str, Any]],
-             add_generation_prompt: bool = False) -> list[int]:
+             add_generation_prompt: bool = False, enable_thinking: bool = False) -> list[int]:
     """Ids of `messages` through the chat template, as transformers' `apply_chat_template(...,
     tokenize=True)`: the rendered text tokenized without added special tokens (the template
     writes BOS), special-token strings in it becoming their ids."""
-    return self._backend.encode_with_specials(self.render_text(messages, add_generation_prompt))
+    return self._backend.encode_with_specials(
+        self.render_text(messages, add_generation_prompt, enable_thinking))
 
-  def chat_prompt(self, user_text: str) -> list[int]:
+  def check_thinking_mode(self, asked_by: str) -> None:
+    """TokenizerError (one line) unless the chat template has a thinking mode; `asked_by` names
+    the setting that asks for it (data.thinking, --thinking)."""
+    if self.chat_template is None:
+      raise TokenizerError(f"{asked_by} needs a chat template; tokenizer in {self.directory} has "
+                           "none")
+    if not self.thinking_mode:
+      raise TokenizerError(f"{asked_by}: the chat template of tokenizer in {self.directory} has "
+                           f"no thinking mode (it never reads {THINKING_VARIABLE}); use a "
+                           "Gemma 4 template or turn thinking off")
+
+  def thought_text(self, thought: str) -> str:
+    """A reply's thought in the template's thinking channel (the text before the answer).
+    TokenizerError (one line) if the template has no thinking channel or the thought holds a
+    channel marker (it would end the channel early)."""
+    if self.thinking_channel is None:
+      raise TokenizerError(
+          f"the chat template of tokenizer in {self.directory} has no thinking channel (it never "
+          f"writes {self._channel[0]}{THOUGHT_CHANNEL}); use a Gemma 4 template or drop the "
+          "thought")
+    for marker in self._channel:
+      if marker in thought:
+        raise TokenizerError(f"the thought holds the channel marker {marker!r}; a thought is "
+                             "plain text inside the thinking channel")
+    opening, closing = self.thinking_channel
+    return f"{opening}{thought}{closing}"
+
+  def channel_marker_ids(self) -> tuple[list[int], list[int]]:
+    """The ids of the thinking channel's opening and closing markers (one id each where the
+    vocabulary has them as tokens; the byte tokenizer spells them in bytes)."""
+    return tuple(self.encode(marker) for marker in self._channel)
+
+  def chat_prompt(self, user_text: str, enable_thinking: bool = False) -> list[int]:
     """Ids of one user turn followed by the opening of the model turn (the generation prompt):
-    the chat template's rendering where there is one; else Gemma's layout written here, the
-    message trimmed of surrounding whitespace as Gemma's templates do."""
+    the chat template's rendering where there is one (in thinking mode or not); else Gemma's
+    layout written here, the message trimmed of surrounding whitespace as Gemma's templates do,
+    and thinking mode is an error."""
     if self.chat_template is not None:
-      return self.render([{"role": "user", "content": user_text}], add_generation_prompt=True)
+      return self.render([{"role": "user", "content": user_text}], add_generation_prompt=True,
+                         enable_thinking=enable_thinking)
+    if enable_thinking:
+      self.check_thinking_mode("thinking mode")
     sot, eot = self.start_of_turn, self.end_of_turn
     markers = (sot, eot) + (self._channel if self.generation_suffix else ())
     for marker in markers:
@@ -393,7 +475,8 @@ def _channel_markers(config: dict[str, Any]) -> tuple[str, str]:
 
 def _generation_suffix(channel: tuple[str, str], template: str | None) -> str:
   """The empty thought channel, when the template writes one as a literal (Gemma 4's 26B-A4B
-  does so after the model-turn opening unless thinking is enabled; we never enable it)."""
+  does so after the model-turn opening unless thinking is enabled; only a template-less
+  `chat_prompt`, never in thinking mode, writes it here)."""
   soc, eoc = channel
   empty_thought = f"{soc}thought\n{eoc}"
   if template and (empty_thought in template or

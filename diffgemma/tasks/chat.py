@@ -17,10 +17,16 @@ The tokenizer (`data.tokenizer`): a directory holding tokenizer.json or tokenize
 chat template; "bytes" (diffgemma/io/tokenizer.py's byte-level tokenizer); empty = the run's
 `init_from` checkpoint directory.
 
+Thinking (`data.thinking`; sample.py --thinking): prompts are rendered in the template's
+thinking mode (`enable_thinking`); an assistant turn's thought (chat_data's module docstring)
+trains in the template's thinking channel before the answer, and evaluation, rewards and
+sample.py cut a generated reply into its thought and the answer after it (`split_reply`): only
+the answer is scored, so a thought that holds the right answer does not count.
+
 A user reward function (`rl.reward_fn="package.module:function"`) is called as
 `function(prompt, reply, reference) -> float` with the last user turn's text, the generated
-reply's text (up to its first stop token) and the reference reply; the value is clipped to
-[0, 1], and a row is "correct" when it scores 1.
+reply's answer (up to its first stop token, after its thought) and the reference reply; the
+value is clipped to [0, 1], and a row is "correct" when it scores 1.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ class ChatSettings:
                          keep their beginning), "drop" (skip the example) or "error".
     data.seed            shuffling (per file, new every epoch) and the eval_fraction split.
     data.num_threads, data.prefetch   grain reader threads and prefetched batches.
+    data.thinking        render prompts in the chat template's thinking mode (enable_thinking)
+                         and train the thoughts assistant turns carry (in the thinking channel,
+                         before the answer); a thought in the data needs it. False: neither.
     eval.every_steps     periodic evaluation on the held-out set (0 = off).
     eval.num_examples    held-out examples it uses (0 = all; a seeded subset when fewer).
     eval.batch_size      sampler batch of evaluation.
@@ -114,6 +123,7 @@ class ChatSettings:
   # The stop check of the periodic eval (`ChatTask.plateau_warning`); 0 = off.
   stop_check_step: int = 0
   stop_overrun_warning: float = 1.0
+  thinking: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +175,9 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
                      f"got {stop_check_step} and {stop_overrun_warning}")
   if int(ev.get("num_examples", 0)) < 0:
     raise ValueError(f"eval.num_examples must be >= 0, got {ev.get('num_examples')}")
+  thinking = data.get("thinking", False)
+  if not isinstance(thinking, bool):
+    raise ValueError(f"data.thinking must be True or False, got {thinking!r}")
   rl = config.get("rl")
   reward, reward_fn = DEFAULT_REWARD, ""
   if rl is not None:
@@ -184,7 +197,8 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
       num_threads=int(data.get("num_threads", 1)), prefetch=int(data.get("prefetch", 4)),
       eval_num_examples=int(ev.get("num_examples", 0)), eval_seed=int(ev.get("seed", 0)),
       metric=metric, answer_regex=answer_regex, reward=reward, reward_fn=reward_fn,
-      stop_check_step=stop_check_step, stop_overrun_warning=stop_overrun_warning)
+      stop_check_step=stop_check_step, stop_overrun_warning=stop_overrun_warning,
+      thinking=thinking)
 
 
 def tokenizer_source(directory: str) -> str:
@@ -282,6 +296,8 @@ class ChatTask(RlTask):
     self._reward_pattern = (None if settings.reward in text_metrics.GRADED else
                             text_metrics.check_metric(settings.reward, settings.answer_regex))
     self._reward_fn = load_reward_fn(settings.reward_fn) if settings.reward_fn else None
+    if settings.thinking and chat_prompts:
+      tok.check_thinking_mode("data.thinking")
     # `chat_prompts=False` (sample.py --chat=false): plain-text prompts, no template needed.
     min_prompt = ((1 if self._starts_with_bos() else 0) + len(self.generation_prompt_ids()) + 1
                   if chat_prompts else 1)
@@ -339,27 +355,50 @@ class ChatTask(RlTask):
     """The ids the template adds for `add_generation_prompt` (what follows the common prefix of
     a one-turn conversation rendered with and without it)."""
     turn = [{"role": "user", "content": "x"}]
-    with_prompt = self.tokenizer.render(turn, add_generation_prompt=True)
-    without = self.tokenizer.render(turn, add_generation_prompt=False)
+    with_prompt = self._render(turn, add_generation_prompt=True)
+    without = self._render(turn, add_generation_prompt=False)
     n = 0
     while n < min(len(with_prompt), len(without)) and with_prompt[n] == without[n]:
       n += 1
     return with_prompt[n:]
 
   def _starts_with_bos(self) -> bool:
-    ids = self.tokenizer.render([{"role": "user", "content": "x"}], add_generation_prompt=True)
+    ids = self._render([{"role": "user", "content": "x"}], add_generation_prompt=True)
     return bool(ids) and ids[0] == self.tokenizer.bos_id
+
+  def _render(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
+    """The template's ids of `messages`, in thinking mode when data.thinking asks for it."""
+    return self.tokenizer.render(messages, add_generation_prompt=add_generation_prompt,
+                                 enable_thinking=self.settings.thinking)
 
   def _render_prompt(self, conversation: chat_data.Conversation, history: Sequence[dict]
                      ) -> list[int]:
     try:
-      return self.tokenizer.render(history, add_generation_prompt=True)
+      return self._render(history, add_generation_prompt=True)
     except tokenizer_lib.TokenizerError as e:
       raise chat_data.ChatDataError(f"{conversation.source}: {e}") from None
 
-  def target_ids(self, content: str) -> list[int]:
-    """The supervised reply: its content, stripped, then the end-of-turn marker."""
-    return self.tokenizer.encode(content.strip()) + [self.tokenizer.eot_id]
+  def target_ids(self, content: str, thought: str | None = None) -> list[int]:
+    """The supervised reply: its thought in the template's thinking channel (if it has one),
+    its content, stripped, then the end-of-turn marker. TokenizerError (one line) for a thought
+    the template cannot write (`Tokenizer.thought_text`)."""
+    text = content.strip()
+    if thought:
+      text = self.tokenizer.thought_text(thought) + text
+    return self.tokenizer.encode(text) + [self.tokenizer.eot_id]
+
+  def _reply_target(self, message: dict, where: str) -> list[int]:
+    """`target_ids` of an assistant message (its thought only under data.thinking); one-line
+    ChatDataError naming `where` otherwise."""
+    thought = message.get(chat_data.THOUGHT_KEY)
+    if thought and not self.settings.thinking:
+      raise chat_data.ChatDataError(
+          f"{where}: the reply has a thought ({chat_data.THOUGHT_KEY}) but data.thinking is "
+          "False; set --config.data.thinking=True to train thinking mode, or drop the thought")
+    try:
+      return self.target_ids(message["content"], thought)
+    except tokenizer_lib.TokenizerError as e:
+      raise chat_data.ChatDataError(f"{where}: {e}") from None
 
   def _examples(self, conversation: chat_data.Conversation, counts: chat_data.OverflowCounts
                 ) -> list[Example]:
@@ -375,7 +414,7 @@ class ChatTask(RlTask):
                                     where, counts)
       if prompt is None:
         continue
-      target = chat_data.fit_target(self.target_ids(message["content"]),
+      target = chat_data.fit_target(self._reply_target(message, where),
                                     self._layout.response_len, s.overflow, where, counts)
       if target is None:
         continue
@@ -576,6 +615,32 @@ class ChatTask(RlTask):
         reply.append(t)
     return reply
 
+  def split_reply(self, tokens) -> tuple[str | None, str]:
+    """(thought, answer) of a generated row's reply (`reply_ids`, then `split_reply_ids`): the
+    one cut of evaluation, rewards, sample.py and the harness."""
+    return self.split_reply_ids(self.reply_ids(tokens))
+
+  def split_reply_ids(self, ids: Sequence[int]) -> tuple[str | None, str]:
+    """(thought, answer) texts of a reply's ids: the answer is what follows the last close of a
+    thinking channel, the thought the channel's text (its name and the surrounding whitespace
+    stripped). A reply that opens no channel is all answer (thought None); one whose last
+    channel never closes (the budget ended inside a thought) has no answer ("")."""
+    ids = list(ids)
+    opening, closing = self.tokenizer.channel_marker_ids()
+    opened, closed = _find(ids, opening), _find(ids, closing, last=True)
+    if opened is None and closed is None:
+      return None, self.tokenizer.decode(ids)
+    start = 0 if opened is None else opened + len(opening)
+    last_open = _find(ids, opening, last=True)
+    if closed is None or (last_open is not None and last_open > closed):
+      thought, answer = ids[start:], []  # a channel still open: no answer yet
+    else:
+      thought, answer = ids[start:closed], ids[closed + len(closing):]
+    text = self.tokenizer.decode(thought)
+    channel = tokenizer_lib.THOUGHT_CHANNEL + "\n"
+    return (text[len(channel):] if text.startswith(channel) else text).strip(), (
+        self.tokenizer.decode(answer))
+
   def _stopped(self, tokens_L: np.ndarray) -> bool:
     return bool(np.isin(np.asarray(tokens_L), self.stop_token_ids).any())
 
@@ -594,7 +659,8 @@ class ChatTask(RlTask):
     ended with a stop token within the budget), overran (the reply is the whole reference and
     goes on past it: the content was learned, the stop was not), canvases_per_reply (from
     stats["num_canvases"] when the sampler gives it); one record per row: source, prompt, reply,
-    reference, correct, overran, answer, reference_answer.
+    reference, correct, overran, answer, reference_answer. A reply that thinks is judged by its
+    answer after the thought (`split_reply`): "reply" is that answer, "thought" the thought.
     Infill data (`prompts.fixed_NxL`): the reply is `infill_reply_text` (the whole reply, given
     parts included, is what accuracy judges), stopped counts stop tokens after the suffix only,
     and infill_accuracy is the share of rows whose middle (`infill_middle_text`) equals the
@@ -604,7 +670,9 @@ class ChatTask(RlTask):
       record = dict(prompts.records[i]) if prompts.records else {}
       record.pop("reply_slots", None)  # a rollout example's layout, not a prediction's field
       if prompts.fixed_NxL is None:
-        reply = self.reply_text(row)
+        thought, reply = self.split_reply(row)
+        if thought is not None:
+          record["thought"] = thought
         stopped.append(self._stopped(row))
       else:
         mask_L = prompts.fixed_mask_NxL[i]
@@ -654,8 +722,9 @@ class ChatTask(RlTask):
 
   def prompt_ids(self, text: str, chat: bool = True) -> list[int]:
     """The ids of a typed prompt, unpadded: one user turn of the chat template and the opening
-    of the model turn (`chat`), else BOS and the plain text. TokenizerError (one line)."""
-    return _typed_prompt_ids(self.tokenizer, text, chat)
+    of the model turn (`chat`; in thinking mode under data.thinking), else BOS and the plain
+    text. TokenizerError (one line)."""
+    return _typed_prompt_ids(self.tokenizer, text, chat, self.settings.thinking)
 
   def prompt_from_text(self, text: str, chat: bool = True) -> Prompts:
     if not text.strip():
@@ -697,10 +766,11 @@ class ChatTask(RlTask):
 
   def reward(self, prompts: Prompts, tokens_BxL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """rl.reward's verdict (1 or 0) or graded score (text_metrics.GRADED), or
-    rl.reward_fn's value clipped to [0, 1]; a row is correct when it scores 1."""
+    rl.reward_fn's value clipped to [0, 1], of each reply's answer after its thought
+    (`split_reply`); a row is correct when it scores 1."""
     scores = []
     for i, row in enumerate(np.asarray(tokens_BxL)):
-      reply, reference = self.reply_text(row), prompts.references[i]
+      reply, reference = self.split_reply(row)[1], prompts.references[i]
       if self._reward_fn is None and self.settings.reward in text_metrics.GRADED:
         scores.append(text_metrics.graded(self.settings.reward, reply, reference))
         continue
@@ -749,19 +819,24 @@ def from_config(config: ml_collections.ConfigDict, training: bool = True,
   return ChatTask(settings, tok, layout, declared_stop_ids(config.get("init_from")))
 
 
-def checkpoint_task(directory: str, max_new_tokens: int, text: str, chat: bool = True
-                    ) -> ChatTask:
+def checkpoint_task(directory: str, max_new_tokens: int, text: str, chat: bool = True,
+                    thinking: bool = False) -> ChatTask:
   """The chat task of a model checkpoint directory with its own tokenizer, for sampling a reply
   to `text` (sample.py): the task's defaults (`settings_from_config`), no data, a
   prompt length of exactly `text`'s ids (`prompt_ids`), so nothing is padded, and the canvases
   that hold `max_new_tokens` (the checkpoint's canvas length, read without the weights).
   `chat=False`: plain-text prompts, and a tokenizer without a chat template is accepted.
+  `thinking`: the prompt in the template's thinking mode (sample.py --thinking).
   TokenizerError, CheckpointFormatError or ValueError (one line)."""
-  config = ml_collections.ConfigDict(dict(data=dict(prompt_len=1, num_canvases=1, tokenizer=""),
-                                          eval={}))
+  if thinking and not chat:
+    raise ValueError("thinking mode is the chat template's: it needs chat prompts (--chat)")
+  config = ml_collections.ConfigDict(dict(data=dict(prompt_len=1, num_canvases=1, tokenizer="",
+                                                    thinking=thinking), eval={}))
   settings = settings_from_config(config)
   tok = load_tokenizer(settings, directory, require_chat=chat)
-  prompt_len = len(_typed_prompt_ids(tok, text, chat))
+  if thinking:
+    tok.check_thinking_mode("--thinking")
+  prompt_len = len(_typed_prompt_ids(tok, text, chat, thinking))
   canvas_length = model_dirs.read_model_config(directory).canvas_length
   num_canvases = math.ceil(max_new_tokens / canvas_length)
   settings = dataclasses.replace(settings, prompt_len=prompt_len, num_canvases=num_canvases)
@@ -775,10 +850,17 @@ def overruns(reply: str, reference: str) -> bool:
   return bool(reference) and len(reply) > len(reference) and reply.startswith(reference)
 
 
-def _typed_prompt_ids(tok, text: str, chat: bool) -> list[int]:
+def _typed_prompt_ids(tok, text: str, chat: bool, thinking: bool = False) -> list[int]:
   if chat:
-    return tok.chat_prompt(text)
+    return tok.chat_prompt(text, enable_thinking=thinking)
   return [tok.bos_id] + tok.encode(text)
+
+
+def _find(ids: Sequence[int], marker: Sequence[int], last: bool = False) -> int | None:
+  """Where `marker` (a run of ids) first (or last) starts in `ids`; None if nowhere."""
+  n = len(marker)
+  starts = range(len(ids) - n, -1, -1) if last else range(len(ids) - n + 1)
+  return next((i for i in starts if n and list(ids[i:i + n]) == list(marker)), None)
 
 
 def _fixed_end(fixed_mask_L) -> int:

@@ -7,6 +7,11 @@ Formats (one JSON object per line; blank lines are skipped):
 Every line is checked: valid JSON, one of the formats, known roles, non-empty string contents, an
 assistant turn, and a user turn before the first assistant turn. A bad line is a `ChatDataError`
 naming the file and line.
+Thoughts: an assistant turn (of "messages" or "conversations") may carry its thought, as
+transformers' chat templates take it, under "reasoning_content" (or "thinking" / "reasoning"):
+  {"role": "assistant", "content": "4", "reasoning_content": "2 + 2 is 4."}
+It is kept as the message's "reasoning_content" (an empty one is no thought); training writes it
+in the template's thinking channel before the answer (diffgemma/tasks/chat.py).
 Infill records (scripts/make_chat_task.py --task=infill_count) add, in any format,
   "infill": {"prefix": P, "middle": M, "suffix": S}     with P + M + S == the last assistant turn
 (M and S non-empty, P may be empty): training reads the conversation as any other; evaluation
@@ -61,7 +66,8 @@ class ChatDataError(errors.InputError):
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
-  """The messages of one JSONL line: dicts {"role", "content"}, roles in ROLES."""
+  """The messages of one JSONL line: dicts {"role", "content"} (an assistant turn's thought
+  under "reasoning_content"), roles in ROLES."""
 
   path: str
   line: int
@@ -143,7 +149,11 @@ def parse_record(record) -> tuple[dict, ...]:
     if unpaired:  # a JSON escape such as \ud800 alone: no UTF-8 text to tokenize
       raise ValueError(f"turn {i} ({role}) holds an unpaired surrogate {unpaired[0]!r} (a \\u "
                        "escape of half a character); write the whole character")
-    messages.append({"role": roles[role], "content": content})
+    message = {"role": roles[role], "content": content}
+    thought = parse_thought(turn, i, roles[role])
+    if thought:
+      message[THOUGHT_KEY] = thought
+    messages.append(message)
   kinds = [m["role"] for m in messages]
   if "assistant" not in kinds:
     raise ValueError("no assistant turn")
@@ -151,6 +161,33 @@ def parse_record(record) -> tuple[dict, ...]:
   if "user" not in kinds[:first]:
     raise ValueError(f"assistant turn {first + 1} comes before any user turn")
   return tuple(messages)
+
+
+# Where a turn's thought may be (transformers' names; the first is the one kept).
+THOUGHT_KEYS = ("reasoning_content", "thinking", "reasoning")
+THOUGHT_KEY = THOUGHT_KEYS[0]
+
+
+def parse_thought(turn: dict, index: int, role: str) -> str | None:
+  """A turn's thought (None without one); ValueError (one line) if it is not a string, is on a
+  turn other than the assistant's, or two names give different thoughts."""
+  given = {k: turn[k] for k in THOUGHT_KEYS if turn.get(k) is not None}
+  if not given:
+    return None
+  if len(set(map(repr, given.values()))) > 1:
+    raise ValueError(f"turn {index} ({role}) gives different thoughts under {sorted(given)}; "
+                     "keep one")
+  key, thought = next(iter(given.items()))
+  if role != "assistant":
+    raise ValueError(f"turn {index} ({role}) has a thought ({key!r}); only assistant turns do")
+  if not isinstance(thought, str):
+    raise ValueError(f"turn {index} ({role}) has a {type(thought).__name__} {key!r}; a thought "
+                     "is a string")
+  unpaired = _SURROGATE.search(thought)
+  if unpaired:
+    raise ValueError(f"turn {index} ({role}) has a thought holding an unpaired surrogate "
+                     f"{unpaired[0]!r}; write the whole character")
+  return thought
 
 
 INFILL_PARTS = ("prefix", "middle", "suffix")
