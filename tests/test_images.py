@@ -18,8 +18,8 @@ from PIL import Image
 
 from diffgemma.io import image_processing, tokenizer as tokenizer_lib
 from diffgemma.tasks import chat_data, make_task
-from tests.helpers import (load_script, tiny_chat_config, write_image_tokenizer, write_jsonl,
-                           write_png)
+from tests.helpers import (load_script, run, tiny_chat_config, write_image_tokenizer,
+                           write_jsonl, write_png)
 
 # (height, width): landscape, portrait, square, thin strips that hit the resize's edge cases (a
 # side rounding to 0), one already a multiple of the side, larger ones that shrink.
@@ -238,3 +238,32 @@ def test_make_image_task(tmp_path):
   assert all(len(c.images) == 1 for c in conversations)
   task = make_task(image_config(out, max_images=1, prompt_len=80))
   assert task.overflow_counts[out].examples == 12
+
+
+IMAGE_RECIPE = """import ml_collections
+from configs import sft_chat
+
+
+def get_config():
+  c = sft_chat.get_config()
+  c.data.update(dict(tokenizer="bytes_image", max_images=1, prompt_len=80))
+  c.model.vocab_size = 264
+  c.model.vision = ml_collections.ConfigDict(dict(
+      patch_size=8, pooling_kernel_size=2, default_output_length=16))
+  return c
+"""
+
+
+def test_show_examples_images(tmp_path):
+  """scripts/show_examples.py on image data: each placeholder shown once with its soft-token
+  count and file; --json lists the files."""
+  data = str(tmp_path / "shapes.jsonl")
+  load_script("make_image_task").write_task(num=2, seed=1, out=data)
+  recipe = tmp_path / "recipe.py"
+  recipe.write_text(IMAGE_RECIPE)
+  r = run("scripts/show_examples.py", f"--config={recipe}", f"--data={data}", "--num=1")
+  assert r.returncode == 0, r.stderr
+  image = str(tmp_path / "shapes_images" / "000000.png")
+  question = json.loads(open(data, encoding="utf-8").readline())["messages"][0]["content"][1]
+  assert (f"--- prompt ---\n<bos><|turn>user\n<|image>[<|image|> x 16: {image}]<image|>"
+          f"{question['text']}<turn|>\n<|turn>model\n") in r.stdout
