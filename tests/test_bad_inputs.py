@@ -229,7 +229,8 @@ SHAREGPT_ROLES = st.sampled_from(["system", "human", "gpt", "user", ""]) | JSON_
 CONTENT = st.sampled_from(["hi", "1 2 3", " ", "Count from 1 to 3.", "\ud800"]) | TEXT | JSON_ANY
 # Content parts (the messages format): img.png exists beside each generated file (a small
 # image), the others do not.
-IMAGE_PATH = st.sampled_from(["img.png", "missing.png", "", "../img.png", "/no/such.png"]) | JSON_ANY
+IMAGE_PATH = (st.sampled_from(["img.png", "missing.png", "", "../img.png", "/no/such.png"])
+              | JSON_ANY)
 PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "video"]) | JSON_ANY},
                              optional={"text": CONTENT, "path": IMAGE_PATH}) | JSON_ANY
 PARTS = st.lists(PART, max_size=3)

@@ -166,6 +166,7 @@ def parse_record(record, folder: str | None = None) -> tuple[dict, ...]:
                      f"{sorted(record)}")
   if not isinstance(raw, list) or not raw:
     raise ValueError("the conversation must be a non-empty list of turns")
+  parts_allowed = "messages" in record  # content parts: the messages format's
   messages = []
   for i, turn in enumerate(raw, start=1):
     if not isinstance(turn, dict):
@@ -175,11 +176,11 @@ def parse_record(record, folder: str | None = None) -> tuple[dict, ...]:
       raise ValueError(f"turn {i} has unknown role {role!r}; expected one of {tuple(roles)}")
     content = turn.get(text_key)
     where = f"turn {i} ({role})"
-    if isinstance(content, list) and text_key == "content":
+    if isinstance(content, list) and parts_allowed:
       content = _parts(content, roles[role], where, folder)
     elif not isinstance(content, str):
       raise ValueError(f"{where} has no string {text_key!r}" + (
-          " or list of parts" if text_key == "content" else ""))
+          " or list of parts" if parts_allowed else ""))
     else:
       _check_text(content, where)
     messages.append({"role": roles[role], "content": content})
