@@ -606,8 +606,11 @@ def chat_docs(path: str, limit: int | None = None) -> list[dict]:
                               "then the reply (this record has "
                               f"{'an infill split' if conversation.infill else roles}); "
                               "evaluate it with eval.py")
-    docs.append({"prompt": conversation.messages[0]["content"],
-                 "reference": conversation.messages[1]["content"],
+    if conversation.images:
+      raise errors.InputError(f"{conversation.source}: the harness tasks take text only; "
+                              "evaluate image prompts with eval.py")
+    docs.append({"prompt": chat_data.message_text(conversation.messages[0]),
+                 "reference": chat_data.message_text(conversation.messages[1]),
                  "source": conversation.source})
     if limit is not None and len(docs) >= limit:
       break

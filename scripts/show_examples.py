@@ -5,16 +5,20 @@
       --init_from=/ckpt/dg26b --json
 
 The examples are laid out as training lays them out (the config's task, tokenizer, prompt length,
-canvases and overflow policy; --init_from: that checkpoint's canvas length, special ids and, if
-data.tokenizer is empty, its tokenizer). Text: the rendered prompt and target with special
-tokens shown (the EOS fill summarised). --json: one object per example and line, with
-prompt_ids (the encoder's ids, BOS included, no padding), target_ids (the supervised ids of all
-valid canvases in order, EOS fill included) and num_canvases; the overflow summary goes to
+canvases and overflow policy; --init_from: that checkpoint's canvas length, special ids, vision
+tower and, if data.tokenizer is empty, its tokenizer). Text: the rendered prompt and target with
+special tokens shown (the EOS fill summarised; each image's placeholder as
+<|image>[<|image|> x N: FILE]<image|>, N its soft tokens). --json: one object per example and
+line, with prompt_ids (the encoder's ids, BOS included, no padding, placeholders expanded),
+target_ids (the supervised ids of all valid canvases in order, EOS fill included), num_canvases
+and images (the prompt's image files in placeholder order); the overflow summary goes to
 stderr.
 """
 
+import dataclasses
 import json
 import os
+import re
 import sys
 
 from absl import flags
@@ -29,6 +33,16 @@ _INIT_FROM = flags.DEFINE_string(
     "special ids and default tokenizer).")
 _NUM = flags.DEFINE_integer("num", None, "Show only the first N examples.")
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per example (ids), one per line.")
+
+
+def shown_placeholders(text: str, images, tokens) -> str:
+  """`text` with each image's run of image tokens written once, with its count and file."""
+  if tokens is None or not images:
+    return text
+  files = iter(images)
+  run = re.compile(f"(?:{re.escape(tokens.image)})+")
+  return run.sub(lambda m: f"[{tokens.image} x {len(m[0]) // len(tokens.image)}: "
+                           f"{next(files, '?')}]", text)
 
 
 def main(argv):
@@ -52,6 +66,10 @@ def main(argv):
       for field in ("canvas_length", "vocab_size", "pad_token_id", "eos_token_id",
                     "bos_token_id"):
         config.model[field] = getattr(arch, field)
+      vision = getattr(arch, "vision", None)  # a checkpoint with a vision tower takes images
+      if vision is not None:
+        config.model["vision"] = (dataclasses.asdict(vision) if dataclasses.is_dataclass(vision)
+                                  else vision)
       config.init_from = os.path.abspath(_INIT_FROM.value)
   try:
     task = tasks.make_task(config, training=False)  # --data is read below, as training reads it
@@ -67,7 +85,7 @@ def main(argv):
   if _JSON.value:
     for e in examples:
       print(json.dumps({"prompt_ids": e["prompt_ids"], "target_ids": e["target_ids"],
-                        "num_canvases": e["num_canvases"]}))
+                        "num_canvases": e["num_canvases"], "images": e["images"]}))
     print(f"{_DATA.value}: {counts.describe()}", file=sys.stderr)
     return
   tok, layout = task.tokenizer, task.layout
@@ -80,7 +98,7 @@ def main(argv):
           f"prompt slots, {e['num_canvases']} of {layout.num_canvases} canvases of "
           f"{layout.canvas_length} ===")
     print("--- prompt ---")
-    print(e["prompt_text"])
+    print(shown_placeholders(e["prompt_text"], e["images"], tok.image_tokens))
     print("--- target ---")
     print(tok.decode(target[:len(target) - fill], skip_special_tokens=False))
     if fill:

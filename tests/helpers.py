@@ -223,6 +223,23 @@ CORPUS = ["the quick brown fox jumps over the lazy dog\n", "hello world, how are
 
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"]
+# Gemma 4's image tokens, and its audio tokens (transformers' Gemma4Processor refuses a tokenizer
+# without them, even for images).
+IMAGE_TOKENS = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
+                "boa_token": "<|audio>", "audio_token": "<|audio|>", "eoa_token": "<audio|>"}
+# Gemma 4's handling of content lists: text parts trimmed, an image part as the image token
+# between blank lines (as the released template writes it).
+IMAGE_TEMPLATE = """{{ bos_token }}
+{%- for message in messages -%}
+{{ '<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}
+{%- if message['content'] is string -%}{{ message['content'] | trim }}
+{%- else -%}{%- for item in message['content'] -%}
+{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}
+{%- elif item['type'] == 'image' -%}{{ '\n\n<|image|>\n\n' }}{%- endif -%}
+{%- endfor -%}{%- endif -%}
+{{ '<turn|>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|turn>model\n' }}{%- endif -%}"""
 
 
 def write_tokenizer_json(directory, vocab_size=64, specials=SPECIALS, template=None,
@@ -250,6 +267,27 @@ def write_tokenizer_json(directory, vocab_size=64, specials=SPECIALS, template=N
     with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
       f.write(template)
   return directory
+
+
+def write_image_tokenizer(directory):
+  """A tiny Gemma-like tokenizer with Gemma 4's image (and audio) tokens, named in
+  tokenizer_config.json as Gemma 4 names them, and `IMAGE_TEMPLATE`."""
+  return write_tokenizer_json(directory, vocab_size=72,
+                              specials=SPECIALS + list(IMAGE_TOKENS.values()),
+                              template=IMAGE_TEMPLATE,
+                              config_extra={"extra_special_tokens": IMAGE_TOKENS})
+
+
+def write_png(path, height, width, seed=0, mode="RGB"):
+  """A random image of `height` x `width` pixels saved at `path` (PNG); returns the path."""
+  import numpy as np
+  from PIL import Image
+
+  channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+  pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), np.uint8)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  Image.fromarray(pixels[..., 0] if mode == "L" else pixels).save(path)
+  return str(path)
 
 
 def write_sentencepiece(directory, template=None):

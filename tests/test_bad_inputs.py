@@ -22,6 +22,7 @@ import os
 import re
 
 import hypothesis
+import ml_collections
 import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
@@ -32,7 +33,8 @@ from diffgemma.runs import checkpointing
 from diffgemma.sampling import sampler
 from diffgemma.tasks import chat_data, make_task, sudoku_puzzles
 from diffgemma.training import loop
-from tests.helpers import ROOT, run_tool_cases, tiny_chat_config, write_tokenizer_json
+from tests.helpers import (ROOT, run_tool_cases, tiny_chat_config, write_jsonl, write_png,
+                           write_tokenizer_json)
 
 TINY = os.path.join(ROOT, "tests", "tiny_sudoku_config.py")
 USER_ERRORS = cli.user_error_types()
@@ -225,17 +227,25 @@ def test_puzzle_flag_parses_or_says_why(text):
 ROLES = st.sampled_from(["system", "user", "assistant", "bot", "", "User"]) | JSON_ANY
 SHAREGPT_ROLES = st.sampled_from(["system", "human", "gpt", "user", ""]) | JSON_ANY
 CONTENT = st.sampled_from(["hi", "1 2 3", " ", "Count from 1 to 3.", "\ud800"]) | TEXT | JSON_ANY
+# Content parts (the messages format): img.png exists beside each generated file (a small
+# image), the others do not.
+IMAGE_PATH = (st.sampled_from(["img.png", "missing.png", "", "../img.png", "/no/such.png"])
+              | JSON_ANY)
+PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "video"]) | JSON_ANY},
+                             optional={"text": CONTENT, "path": IMAGE_PATH}) | JSON_ANY
+PARTS = st.lists(PART, max_size=3)
 
 
-def turns(role_key, text_key, roles):
-  turn = st.fixed_dictionaries({role_key: roles, text_key: CONTENT}) | st.fixed_dictionaries(
-      {}, optional={role_key: roles, text_key: CONTENT, "x": JSON_ANY}) | JSON_ANY
+def turns(role_key, text_key, roles, content=CONTENT):
+  turn = st.fixed_dictionaries({role_key: roles, text_key: content}) | st.fixed_dictionaries(
+      {}, optional={role_key: roles, text_key: content, "x": JSON_ANY}) | JSON_ANY
   return st.lists(turn, max_size=4) | JSON_ANY
 
 
 INFILL = st.fixed_dictionaries({"prefix": CONTENT, "middle": CONTENT, "suffix": CONTENT}) | JSON_ANY
 FORMATS = {
-    "messages": st.fixed_dictionaries({"messages": turns("role", "content", ROLES)},
+    "messages": st.fixed_dictionaries({"messages": turns("role", "content", ROLES,
+                                                         CONTENT | PARTS)},
                                       optional={"infill": INFILL}),
     "prompt_completion": st.fixed_dictionaries({}, optional={
         "prompt": CONTENT, "completion": CONTENT, "infill": INFILL}),
@@ -276,6 +286,7 @@ def check_chat_outcome(path: str, data: bytes, error) -> None:
 
 def read_chat_file(scratch, data: bytes):
   path = unique_path(scratch, "chat.jsonl")
+  write_png(os.path.join(os.path.dirname(path), "img.png"), 8, 8)
   write_bytes(path, data)
   result, error = outcome(chat_data.read_jsonl, path)
   unchanged(path, data)
@@ -293,6 +304,9 @@ def read_chat_file(scratch, data: bytes):
 @given(data=jsonl_files(FORMATS["messages"]))
 @example(data=(GOOD_LINE + "\n" + json.dumps(
     {"messages": [{"role": ["user"], "content": "hi"}]})).encode())
+@example(data=json.dumps({"messages": [
+    {"role": "user", "content": [{"type": "image", "path": "img.png"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]}).encode())
 def test_chat_jsonl_messages_reads_or_names_the_line(scratch, data):
   read_chat_file(scratch, data)
 
@@ -312,6 +326,9 @@ def test_sharegpt_reads_or_names_the_line(scratch, data):
 
 @settings(max_examples=30)
 @given(data=jsonl_files(st.one_of(*FORMATS.values())))
+@example(data=json.dumps({"messages": [
+    {"role": "user", "content": [{"type": "image", "path": "img.png"}]},
+    {"role": "assistant", "content": "x"}]}).encode())
 @example(data=json.dumps({"prompt": "hi\ud800", "completion": "1"}).encode())
 @example(data=json.dumps({"prompt": "hi", "completion": "1 \udfff"}).encode())
 def test_chat_task_trains_and_evaluates_or_names_the_line(scratch, data):
@@ -330,6 +347,85 @@ def test_chat_task_trains_and_evaluates_or_names_the_line(scratch, data):
   unchanged(path, data)
   if error is not None:
     check_chat_outcome(path, data, error)
+
+
+# ----------------------------------------------------------------------------- image chat data
+
+
+def vision_config(train="", vision=True, **data):
+  """tiny_chat_config with the image tokens, a vision tower in the model section (a tiny
+  processor: 8 px patches pooled 2 x 2, 16 soft tokens a picture; none if not `vision`) and
+  two image slots."""
+  config = tiny_chat_config(train, **{"tokenizer": "bytes_image", "max_images": 2, **data})
+  config.model.vocab_size = 264
+  if vision:
+    config.model.vision = ml_collections.ConfigDict(dict(
+        patch_size=8, pooling_kernel_size=2, default_output_length=16))
+  return config
+
+
+def test_bad_image_data_is_one_line_naming_the_line(tmp_path):
+  """A missing, unreadable or truncated image, more images than the layout's slots, a prompt
+  that can only be cut through an image, an image in a reply, an image for a model without a
+  vision tower or for a tokenizer without image tokens: each is one user error naming the file
+  and line, from what train.py (and eval.py) build before writing anything; the file is left as
+  it was."""
+  good = write_png(tmp_path / "img" / "good.png", 24, 40)
+  (tmp_path / "img" / "garbage.png").write_bytes(b"not an image at all")
+  whole = open(good, "rb").read()
+  (tmp_path / "img" / "cut.png").write_bytes(whole[:len(whole) // 2])
+  two = json.dumps({"messages": [
+      {"role": "user", "content": [{"type": "image", "path": "img/good.png"},
+                                   {"type": "image", "path": "img/good.png"},
+                                   {"type": "text", "text": "Same?"}]},
+      {"role": "assistant", "content": "yes"}]})
+  in_reply = json.dumps({"messages": [
+      {"role": "user", "content": "Draw it."},
+      {"role": "assistant", "content": [{"type": "image", "path": "img/good.png"}]}]})
+  cases = {  # name: (second line, config changes (model.* for the model section), needles)
+      "missing": (image_line("img/none.png"), {}, ["img/none.png", "not found"]),
+      "garbage": (image_line("img/garbage.png"), {}, ["garbage.png", "cannot read image"]),
+      "truncated": (image_line("img/cut.png"), {}, ["cut.png", "cannot read image"]),
+      "too_many": (two, {"max_images": 1}, ["2 images", "data.max_images=1"]),
+      "no_slots": (image_line("img/good.png"), {"max_images": 0}, ["data.max_images=0"]),
+      "cut": (image_line("img/good.png", "Which one? " * 4), {"prompt_len": 40},
+              ["image tokens", "cut an image", "data.prompt_len=40"]),
+      "too_long": (image_line("img/good.png", "Which one? " * 4),
+                   {"prompt_len": 40, "overflow": "error"}, ["image tokens", "data.prompt_len"]),
+      "in_reply": (in_reply, {}, ["images go in user turns"]),
+      "no_vision": (image_line("img/good.png"), {"vision": False}, ["no vision tower"]),
+      "text_tokenizer": (image_line("img/good.png"), {"tokenizer": "bytes"},
+                         ["no image tokens"]),
+  }
+  for name, (line, changes, needles) in cases.items():
+    path = write_jsonl(tmp_path / f"{name}.jsonl", [chat_line("hi", "yo"), line])
+    data = open(path, "rb").read()
+    for training in (True, False):  # train.py reads data.train; eval.py --data the same file
+      config = vision_config(path if training else "", **changes)
+      task, error = outcome(make_task, config, training=training)
+      if not training and error is None:
+        _, error = outcome(task.load_eval_file, path)
+      assert error is not None, (name, training)
+      check_one_line(error, f"{path}:2", *needles)
+    unchanged(path, data)
+  # The same prompt under data.overflow=drop: dropped and counted, the rest kept.
+  path = str(tmp_path / "cut.jsonl")
+  task = make_task(vision_config(path, prompt_len=40, overflow="drop"))
+  assert (task.overflow_counts[path].examples, task.overflow_counts[path].prompt_dropped) == (1, 1)
+  # A typed prompt's image (sample.py): one line naming the file.
+  task = make_task(vision_config(prompt_len=64), training=False)
+  _, error = outcome(task.prompt_from_text, "hi", images=[str(tmp_path / "img" / "cut.png")])
+  check_one_line(error, "cut.png", "cannot read image")
+
+
+def test_vision_tower_check():
+  """The check the model's vision tower gates (a flag, so it holds before and after the model
+  config has a `vision` section)."""
+  chat_data.check_images(0, False, 0, "f.jsonl:1")  # text needs no tower
+  chat_data.check_images(2, True, 2, "f.jsonl:1")
+  for has_tower, slots, needle in ((False, 4, "no vision tower"), (True, 1, "data.max_images=1")):
+    _, error = outcome(chat_data.check_images, 2, has_tower, slots, "f.jsonl:3")
+    check_one_line(error, "f.jsonl:3", needle)
 
 
 # ----------------------------------------------------------------------------- tokenizer directories
@@ -622,6 +718,8 @@ HAND_PICKED = [
      "answer_regex"),
     (CHAT_TRAIN + ["--config.data.train={tmp}/ok.jsonl", "--config.data.weights=1,2"],
      "data.weights"),
+    (CHAT_TRAIN + ["--config.data.train={tmp}/image_missing.jsonl"], "image_missing.jsonl:2"),
+    (CHAT_TRAIN + ["--config.data.train={tmp}/image_ok.jsonl"], "image_ok.jsonl:2"),
     (["eval.py", "--workdir={run}"], "--data"),
     (["eval.py", "--workdir={run}", "--data={tmp}/no.csv"], "not found"),
     (["eval.py", "--workdir={run}", "--data={tmp}"], "is a directory"),
@@ -688,6 +786,13 @@ def chat_line(user, assistant):
   return json.dumps({"messages": messages})
 
 
+def image_line(path, question="What colour?", answer="red"):
+  return json.dumps({"messages": [
+      {"role": "user", "content": [{"type": "image", "path": path},
+                                   {"type": "text", "text": question}]},
+      {"role": "assistant", "content": answer}]})
+
+
 def make_input_files(tmp: str) -> dict:
   """The files the command lines read: a run (config, no checkpoint), CSVs, JSONL files,
   a tokenizer without a chat template; returns the paths for the argv templates."""
@@ -711,11 +816,15 @@ def make_input_files(tmp: str) -> dict:
           {"role": ["user"], "content": "hi"}, {"role": "assistant", "content": "1"}]}) + "\n",
       "long.jsonl": good + "\n" + chat_line("Count " * 40, "1") + "\n",
       "longreply.jsonl": good + "\n" + chat_line("hi", "1 " * 200) + "\n",
-      "gsm.jsonl": json.dumps({"question": "1+1?", "answer": "2"}) + "\n"}
+      "gsm.jsonl": json.dumps({"question": "1+1?", "answer": "2"}) + "\n",
+      # An image the file names is missing; a good image for a model without a vision tower.
+      "image_missing.jsonl": good + "\n" + image_line("images/none.png") + "\n",
+      "image_ok.jsonl": good + "\n" + image_line("images/ok.png") + "\n"}
   for name, content in files.items():
     write_bytes(os.path.join(tmp, name), content if isinstance(content, bytes)
                 else content.encode())
   os.makedirs(os.path.join(tmp, "empty_dir"))
+  write_png(os.path.join(tmp, "images", "ok.png"), 16, 24)
   write_tokenizer_json(os.path.join(tmp, "tok_no_template"))
   return paths
 

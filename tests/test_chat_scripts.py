@@ -146,7 +146,7 @@ def test_show_examples(tmp_path):
   turn = lambda s: [3] + [5 + b for b in s.encode()]  # <|turn> then bytes
   prompt = ([2] + turn("user\nCount from 1 to 3.") + [4] + [5 + ord("\n")] + turn("model\n"))
   assert rows[0] == {"prompt_ids": prompt, "target_ids": [5 + b for b in b"1 2 3"] + [4] +
-                     [1] * 26, "num_canvases": 1}
+                     [1] * 26, "num_canvases": 1, "images": []}
   assert rows[1]["target_ids"] == [5 + ord("x")] * 40 + [4] + [1] * 23
   assert rows[1]["num_canvases"] == 2
   r = run("scripts/show_examples.py", "--config=sft_chat", f"--data={data}", "--num=1")

@@ -4,10 +4,12 @@ A transformers-format checkpoint ships `tokenizer.json` (read with the `tokenize
 `gemma` package and older exports ship a SentencePiece `tokenizer.model` (read with
 `sentencepiece`); `load_tokenizer("bytes")` is a byte-level tokenizer for from-scratch research
 models (PAD 0, EOS 1, BOS 2, Gemma 4's turn markers 3 and 4, then the 256 bytes) with a
-Gemma-4-style chat template of its own (`BYTES_CHAT_TEMPLATE`). All give the same small
-interface: `encode`, `decode`, the special ids, `render` (a conversation through the chat
-template, tokenized as `apply_chat_template(..., tokenize=True)` does; diffgemma/io/chat_template.py)
-and `chat_prompt`, one user message with the generation prompt
+Gemma-4-style chat template of its own (`BYTES_CHAT_TEMPLATE`); `load_tokenizer("bytes_image")`
+is the same plus Gemma 4's three image tokens after the bytes (261-263), for from-scratch models
+with a vision tower. All give the same small interface: `encode`, `decode`, the special ids,
+`render` (a conversation through the chat template, tokenized as `apply_chat_template(...,
+tokenize=True)` does; diffgemma/io/chat_template.py; with images, their placeholders expanded as
+transformers' processor does) and `chat_prompt`, one user message with the generation prompt
 (`apply_chat_template(..., add_generation_prompt=True)`):
 
   <bos><|turn>user\n{text}<turn|>\n<|turn>model\n            (Gemma 4; Gemma 2/3 use
@@ -26,10 +28,15 @@ channel, as Gemma 4's template writes it and the model generates it:
 (`thought_text`; the channel markers are `soc_token` / `eoc_token`, Gemma 4's by default).
 A template has a thinking mode when it reads `enable_thinking`, and a thinking channel when it
 writes `<|channel>thought`.
+
+Image tokens (`image_tokens`): the boi / image / eoi tokens tokenizer_config.json names
+(boi_token, image_token, eoi_token), else Gemma 4's (<|image>, <|image|>, <image|>) where the
+vocabulary has them; None for a text-only tokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -37,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diffgemma import errors
-from diffgemma.io import chat_template
+from diffgemma.io import chat_template, image_processing
 
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -57,18 +64,35 @@ USER_ROLE, MODEL_ROLE = "user", "model"
 _MARKERS = frozenset(GEMMA4_TURN + GEMMA3_TURN + GEMMA4_CHANNEL)
 DEFAULT_SPECIALS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 BYTES = "bytes"  # load_tokenizer's name for the byte-level tokenizer
+BYTES_IMAGE = "bytes_image"  # the byte-level tokenizer with Gemma 4's image tokens
+BUILT_IN = (BYTES, BYTES_IMAGE)
 
 # The byte-level tokenizer's chat template: Gemma 4's turn layout (a system turn of its own,
-# "model" for the assistant, contents trimmed) and its thinking mode: `enable_thinking` opens a
-# system turn with <|think|> (the system message, if any, follows it), and an assistant turn
-# after the last user turn writes its thought in the thinking channel (earlier turns' thoughts
-# are dropped, as Gemma 4 drops them from the history). Its markers are plain bytes here.
-BYTES_CHAT_TEMPLATE = """{{- bos_token -}}
+# "model" for the assistant, contents trimmed; a content list's text parts trimmed and its image
+# parts as the image token, as Gemma 4's template writes them) and its thinking mode:
+# `enable_thinking` opens a system turn with <|think|> (the system message, if any, follows it),
+# and an assistant turn after the last user turn writes its thought in the thinking channel
+# (earlier turns' thoughts are dropped, as Gemma 4 drops them from the history). Its markers are
+# plain bytes here.
+BYTES_CHAT_TEMPLATE = """{%- macro render_content(content) -%}
+  {%- if content is string -%}
+    {{- content | trim -}}
+  {%- else -%}
+    {%- for item in content -%}
+      {%- if item['type'] == 'text' -%}
+        {{- item['text'] | trim -}}
+      {%- elif item['type'] == 'image' -%}
+        {{- '<|image|>' -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{{- bos_token -}}
 {%- set thinking = enable_thinking is defined and enable_thinking -%}
 {%- if thinking -%}
   {{- '<|turn>system\\n<|think|>\\n' -}}
   {%- if messages and messages[0]['role'] == 'system' -%}
-    {{- messages[0]['content'] | trim -}}
+    {{- render_content(messages[0]['content']) -}}
   {%- endif -%}
   {{- '<turn|>\\n' -}}
 {%- endif -%}
@@ -86,7 +110,7 @@ BYTES_CHAT_TEMPLATE = """{{- bos_token -}}
     {%- if message['role'] == 'assistant' and thought and loop.index0 > ns.last_user -%}
       {{- '<|channel>thought\\n' + thought + '\\n<channel|>' -}}
     {%- endif -%}
-    {{- message['content'] | trim -}}
+    {{- render_content(message['content']) -}}
     {{- '<turn|>\\n' -}}
   {%- endif -%}
 {%- endfor -%}
@@ -116,6 +140,9 @@ class Tokenizer:
     thinking_channel: (opening, closing) text around a thought (`thought_text`) when the template
       writes the thinking channel; None otherwise.
     template_variables: the special-token variables the template sees (bos_token, ...).
+    image_tokens: the boi / image / eoi token strings (`image_processing.ImageTokens`); None
+      for a tokenizer without them (text only).
+    image_token_ids: their ids (boi, image, eoi), or None.
   """
 
   def __init__(self, backend, directory: str, config: dict[str, Any], template: str | None):
@@ -141,6 +168,9 @@ class Tokenizer:
                              if template is not None and f"{soc}{THOUGHT_CHANNEL}" in template
                              else None)
     self.template_variables = chat_template.special_token_variables(config, DEFAULT_SPECIALS)
+    self.image_tokens = _image_tokens(config, backend.token_to_id)
+    self.image_token_ids = None if self.image_tokens is None else tuple(
+        backend.token_to_id(t) for t in dataclasses.astuple(self.image_tokens))
 
   def encode(self, text: str) -> list[int]:
     """Token ids of `text`, no BOS. Special-token strings in it become those tokens as in
@@ -176,13 +206,30 @@ class Tokenizer:
     except chat_template.ChatTemplateError as e:
       raise TokenizerError(f"{e} (tokenizer in {self.directory})") from e
 
-  def render(self, messages: Sequence[Mapping[str, Any]],
-             add_generation_prompt: bool = False, enable_thinking: bool = False) -> list[int]:
+  def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
+             enable_thinking: bool = False,
+             image_soft_tokens: Sequence[int] | None = None) -> list[int]:
     """Ids of `messages` through the chat template, as transformers' `apply_chat_template(...,
     tokenize=True)`: the rendered text tokenized without added special tokens (the template
-    writes BOS), special-token strings in it becoming their ids."""
-    return self._backend.encode_with_specials(
-        self.render_text(messages, add_generation_prompt, enable_thinking))
+    writes BOS), special-token strings in it becoming their ids.
+
+    `enable_thinking`: the template's thinking mode. `image_soft_tokens` (the conversation's
+    images in order, each its soft-token count): the template's i-th image token becomes image
+    i's placeholder, boi + image x count + eoi, as transformers' processor writes it
+    (`image_processing.expand_image_tokens`). TokenizerError (one line) when the tokenizer has
+    no image tokens or the counts disagree."""
+    text = self.render_text(messages, add_generation_prompt, enable_thinking)
+    if image_soft_tokens is not None:
+      if self.image_tokens is None:
+        if not image_soft_tokens:
+          return self._backend.encode_with_specials(text)
+        raise TokenizerError(f"tokenizer in {self.directory} has no image tokens (boi_token, "
+                             f"image_token, eoi_token): it cannot hold an image")
+      try:
+        text = image_processing.expand_image_tokens(text, image_soft_tokens, self.image_tokens)
+      except ValueError as e:
+        raise TokenizerError(f"{e} (tokenizer in {self.directory})") from None
+    return self._backend.encode_with_specials(text)
 
   def check_thinking_mode(self, asked_by: str) -> None:
     """TokenizerError (one line) unless the chat template has a thinking mode; `asked_by` names
@@ -250,14 +297,16 @@ class Tokenizer:
 
 def load_tokenizer(directory: str) -> Tokenizer:
   """The tokenizer of a checkpoint directory: `tokenizer.json`, else `tokenizer.model`; the
-  byte-level tokenizer for "bytes" (a directory of that name needs a path: ./bytes).
+  byte-level tokenizer for "bytes", with image tokens for "bytes_image" (a directory of either
+  name needs a path: ./bytes).
 
   Raises:
     TokenizerError: neither file exists, or the file cannot be read (one line, naming it).
   """
   directory = os.fspath(directory)
-  if directory == BYTES:
-    return Tokenizer(_BytesBackend(), BYTES, {}, BYTES_CHAT_TEMPLATE)
+  if directory in BUILT_IN:
+    with_images = directory == BYTES_IMAGE
+    return Tokenizer(_BytesBackend(with_images), directory, {}, BYTES_CHAT_TEMPLATE)
   config = _read_json(os.path.join(directory, TOKENIZER_CONFIG)) or {}
   template = _chat_template(directory, config)
   json_path = os.path.join(directory, TOKENIZER_JSON)
@@ -353,17 +402,23 @@ class _SentencePieceBackend:
 
 
 class _BytesBackend:
-  """Byte-level ids: PAD 0, EOS 1, BOS 2, <|turn> 3, <turn|> 4, then byte b -> 5 + b (UTF-8).
+  """Byte-level ids: PAD 0, EOS 1, BOS 2, <|turn> 3, <turn|> 4, then byte b -> 5 + b (UTF-8);
+  `with_images`: Gemma 4's <|image> 261, <|image|> 262, <image|> 263 after the bytes (the text
+  ids stay those of the plain byte tokenizer).
 
   Special-token strings in a text become their ids (as added tokens in transformers)."""
 
   parses_special_tokens = True
   SPECIALS = ("<pad>", "<eos>", "<bos>") + GEMMA4_TURN
   BYTE_OFFSET = len(SPECIALS)
-  vocab_size = BYTE_OFFSET + 256
+  IMAGE_SPECIALS = dataclasses.astuple(image_processing.GEMMA4_IMAGE_TOKENS)
 
-  def __init__(self):
+  def __init__(self, with_images: bool = False):
+    tail = self.IMAGE_SPECIALS if with_images else ()
+    self.vocab_size = self.BYTE_OFFSET + 256 + len(tail)
     self._specials = {token: i for i, token in enumerate(self.SPECIALS)}
+    self._specials.update({token: self.BYTE_OFFSET + 256 + i for i, token in enumerate(tail)})
+    self._names = {i: token for token, i in self._specials.items()}
     self._split = _special_splitter(self._specials)
 
   def encode(self, text: str) -> list[int]:
@@ -380,13 +435,13 @@ class _BytesBackend:
   def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
     out, run = [], bytearray()
     for i in ids:
-      if i >= self.BYTE_OFFSET:
+      if i not in self._names:
         run.append(i - self.BYTE_OFFSET)
         continue
       out.append(run.decode("utf-8", errors="replace"))
       run = bytearray()
       if not skip_special_tokens:
-        out.append(self.SPECIALS[i])
+        out.append(self._names[i])
     out.append(run.decode("utf-8", errors="replace"))
     return "".join(out)
 
@@ -466,6 +521,17 @@ def _turn_markers(config: dict[str, Any], template: str | None, token_to_id) -> 
     elif all(token_to_id(marker) is not None for marker in pair):
       return pair
   return GEMMA4_TURN
+
+
+def _image_tokens(config: dict[str, Any], token_to_id) -> image_processing.ImageTokens | None:
+  """The tokenizer's image tokens: the three tokenizer_config.json names, else Gemma 4's, where
+  the vocabulary has all three; None otherwise."""
+  named = tuple(_named_token(config, name) for name in ("boi_token", "image_token", "eoi_token"))
+  for tokens in ((image_processing.ImageTokens(*named),) if all(named) else ()) + (
+      image_processing.GEMMA4_IMAGE_TOKENS,):
+    if all(token_to_id(t) is not None for t in dataclasses.astuple(tokens)):
+      return tokens
+  return None
 
 
 def _channel_markers(config: dict[str, Any]) -> tuple[str, str]:

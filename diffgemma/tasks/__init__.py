@@ -48,12 +48,12 @@ def make_task(config: ml_collections.ConfigDict, training: bool = True,
 
 
 def checkpoint_text_task(directory: str, max_new_tokens: int, text: str, chat: bool = True,
-                         thinking: bool = False) -> Task:
+                         thinking: bool = False, images=()) -> Task:
   """The text task of a model checkpoint directory with its own tokenizer, for sampling a reply
-  to `text`: its template (in thinking mode with `thinking`), prompt encoding and stop ids
-  (`TEXT_TASK`'s `checkpoint_task`)."""
+  to `text` (after the image files `images`): its template (in thinking mode with `thinking`),
+  prompt encoding and stop ids (`TEXT_TASK`'s `checkpoint_task`)."""
   return importlib.import_module(TASKS[TEXT_TASK]).checkpoint_task(
-      directory, max_new_tokens, text, chat=chat, thinking=thinking)
+      directory, max_new_tokens, text, chat=chat, thinking=thinking, images=images)
 
 
 __all__ = ["Layout", "Prompts", "RlTask", "Task", "TASKS", "checkpoint_text_task", "make_task", "task_name", "tokenization_keys"]

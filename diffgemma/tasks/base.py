@@ -62,6 +62,11 @@ class Prompts:
   fixed_NxL, fixed_mask_NxL: infilling (optional, both or neither): int32 / bool over the K*C
   reply slots, the clean tokens the sampler keeps in the canvases (`sampler.generate`'s
   fixed_BxL / fixed_mask_BxL, laid out by `sampler.infill_slots`).
+  pixel_values_NxIxMxD, image_positions_NxIxMx2: image prompts (optional, both or neither):
+  each row's I image slots as the vision tower takes them (float32 patches [M = max patches,
+  D = 3 * patch_size**2] and int32 (x, y) patch positions, (-1, -1) for padding patches and
+  absent images; diffgemma/io/image_processing.py), filling the prompt's image placeholders in
+  order.
   """
 
   prompt_NxP: np.ndarray
@@ -70,10 +75,14 @@ class Prompts:
   records: Sequence[dict] | None = None
   fixed_NxL: np.ndarray | None = None
   fixed_mask_NxL: np.ndarray | None = None
+  pixel_values_NxIxMxD: np.ndarray | None = None
+  image_positions_NxIxMx2: np.ndarray | None = None
 
   def __post_init__(self):
     if (self.fixed_NxL is None) != (self.fixed_mask_NxL is None):
       raise ValueError("Prompts: give fixed_NxL and fixed_mask_NxL together")
+    if (self.pixel_values_NxIxMxD is None) != (self.image_positions_NxIxMx2 is None):
+      raise ValueError("Prompts: give pixel_values_NxIxMxD and image_positions_NxIxMx2 together")
 
   def __len__(self) -> int:
     return len(self.prompt_NxP)
@@ -88,7 +97,8 @@ class Prompts:
       return [seq[int(i)] for i in rows]
 
     return Prompts(self.prompt_NxP[rows], self.valid_NxP[rows], pick(self.references),
-                   pick(self.records), pick(self.fixed_NxL), pick(self.fixed_mask_NxL))
+                   pick(self.records), pick(self.fixed_NxL), pick(self.fixed_mask_NxL),
+                   pick(self.pixel_values_NxIxMxD), pick(self.image_positions_NxIxMx2))
 
   def repeat(self, times: int) -> Prompts:
     """Each row `times` times in a row (SD·RL groups): row i becomes rows i*G .. i*G+G-1."""

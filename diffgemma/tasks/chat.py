@@ -14,8 +14,20 @@ many slots as the reference middle's tokens, and scores infill_accuracy (the hea
 data): the generated middle's text equals the reference middle exactly.
 
 The tokenizer (`data.tokenizer`): a directory holding tokenizer.json or tokenizer.model plus a
-chat template; "bytes" (diffgemma/io/tokenizer.py's byte-level tokenizer); empty = the run's
-`init_from` checkpoint directory.
+chat template; "bytes" (diffgemma/io/tokenizer.py's byte-level tokenizer; "bytes_image" with
+image tokens); empty = the run's `init_from` checkpoint directory.
+
+Images (user turns' image parts, chat_data's module docstring): the prompt is rendered and its
+image tokens expanded to each image's placeholder as transformers' Gemma 4 processor does
+(`Tokenizer.render(..., image_soft_tokens)`), and the images go beside the tokens as the vision
+tower takes them (diffgemma/io/image_processing.py): training batches add pixel_values and
+image_position_ids for data.max_images image slots, held-out `Prompts` their
+pixel_values_NxIxMxD / image_positions_NxIxMx2. The image processor's sizes (`image_settings`):
+the source checkpoint's processor_config.json, else the model's vision config (patch_size,
+pooling_kernel_size, default_output_length), data.max_soft_tokens overriding the budget. Every
+image is decoded when the task is built, so a missing, unreadable or oversized image, an image
+for a model without a vision tower (`chat_data.check_images`), or one more than the layout
+holds fails in one line naming its file and line before a run writes anything.
 
 Thinking (`data.thinking`; sample.py --thinking): prompts are rendered in the template's
 thinking mode (`enable_thinking`); an assistant turn's thought (chat_data's module docstring)
@@ -41,7 +53,7 @@ import ml_collections
 import numpy as np
 
 from diffgemma import errors
-from diffgemma.io import model_dirs
+from diffgemma.io import image_processing, model_dirs
 from diffgemma.io import tokenizer as tokenizer_lib
 from diffgemma.runs import checkpointing
 from diffgemma.sampling import sampler
@@ -70,8 +82,13 @@ class ChatSettings:
                          assistant turn of each line is the reference); or
     data.eval_fraction   the share of each training file's conversations held out instead (0 =
                          none; not both).
-    data.tokenizer       "bytes"; or a directory with tokenizer.json or tokenizer.model and a chat
-                         template; empty = the --init_from checkpoint's.
+    data.tokenizer       "bytes" ("bytes_image": with Gemma 4's image tokens); or a directory
+                         with tokenizer.json or tokenizer.model and a chat template; empty = the
+                         --init_from checkpoint's.
+    data.max_images      I: image slots per example (0 = text only); an example with more
+                         images is an error.
+    data.max_soft_tokens the image processor's soft-token budget per image (0 = the checkpoint's
+                         or the vision config's).
     data.prompt_len      P: prompt slots (the rendered history and generation prompt, BOS
                          included, left-padded).
     data.num_canvases    K: reply canvases of model.canvas_length tokens (the sampler's budget
@@ -124,6 +141,8 @@ class ChatSettings:
   stop_check_step: int = 0
   stop_overrun_warning: float = 1.0
   thinking: bool = False
+  max_images: int = 0  # image slots per example (0 = text only)
+  max_soft_tokens: int = 0  # the image processor's budget (0 = the model's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +154,7 @@ class Example:
   source: str  # "file:line"
   prompt_text: str  # the last user turn before the reply
   reference: str  # the reply's content
+  images: tuple[str, ...] = ()  # the prompt's image files, in placeholder order
 
 
 def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
@@ -159,7 +179,7 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
   for key in ("prompt_len", "num_canvases"):
     if int(data.get(key, 0)) < 1:
       raise ValueError(f"data.{key} must be >= 1, got {data.get(key)}")
-  for key in ("num_threads", "prefetch"):
+  for key in ("num_threads", "prefetch", "max_images", "max_soft_tokens"):
     if int(data.get(key, 0)) < 0:
       raise ValueError(f"data.{key} must be >= 0, got {data.get(key)}")
   metric = ev.get("metric", "exact")
@@ -198,7 +218,43 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
       eval_num_examples=int(ev.get("num_examples", 0)), eval_seed=int(ev.get("seed", 0)),
       metric=metric, answer_regex=answer_regex, reward=reward, reward_fn=reward_fn,
       stop_check_step=stop_check_step, stop_overrun_warning=stop_overrun_warning,
-      thinking=thinking)
+      thinking=thinking, max_images=int(data.get("max_images", 0)),
+      max_soft_tokens=int(data.get("max_soft_tokens", 0)))
+
+
+def model_has_vision_tower(model) -> bool:
+  """Whether a model config (a `ModelConfig` or the run config's model section) has a vision
+  tower: its `vision` is set."""
+  return _field(model, "vision") is not None
+
+
+def image_settings(model, init_from: str | None, max_soft_tokens: int = 0
+                   ) -> image_processing.ImageSettings:
+  """The image processor's sizes for a model: the source checkpoint's processor config where
+  it ships one, else its vision config's patch_size, pooling_kernel_size and
+  default_output_length (transformers' names), else Gemma 4's defaults; `max_soft_tokens` > 0
+  overrides the budget."""
+  source = model_source(init_from) if init_from else None
+  found = image_processing.read_image_settings(source) if source and os.path.isdir(source) else None
+  if found is None:
+    vision, defaults = _field(model, "vision"), image_processing.ImageSettings()
+    sizes = {name: _field(vision, key) for name, key in (
+        ("patch_size", "patch_size"), ("pooling_kernel_size", "pooling_kernel_size"),
+        ("max_soft_tokens", "default_output_length"))}
+    found = image_processing.ImageSettings(**{k: int(v) if v is not None else getattr(defaults, k)
+                                              for k, v in sizes.items()})
+  if max_soft_tokens:
+    found = dataclasses.replace(found, max_soft_tokens=max_soft_tokens)
+  return found
+
+
+def _field(section, name: str):
+  """`name` of a config section: a ConfigDict or dict (`get`), a dataclass (attribute), or
+  None."""
+  if section is None:
+    return None
+  getter = getattr(section, "get", None)
+  return getter(name) if callable(getter) else getattr(section, name, None)
 
 
 def tokenizer_source(directory: str) -> str:
@@ -247,7 +303,7 @@ def load_tokenizer(settings: ChatSettings, init_from: str | None, require_chat: 
   if not source:
     raise ValueError("no tokenizer: set data.tokenizer to a tokenizer directory or 'bytes', or "
                      "start from a checkpoint with --init_from")
-  if source != tokenizer_lib.BYTES and not os.path.isdir(source):
+  if source not in tokenizer_lib.BUILT_IN and not os.path.isdir(source):
     raise ValueError(f"tokenizer directory {source} not found (data.tokenizer or --init_from)")
   tok = tokenizer_lib.load_tokenizer(source)
   if not require_chat:
@@ -289,8 +345,13 @@ class ChatTask(RlTask):
   headline_metric = "accuracy"
 
   def __init__(self, settings: ChatSettings, tok, layout: Layout,
-               declared_stop_ids: Sequence[int] = (), chat_prompts: bool = True):
+               declared_stop_ids: Sequence[int] = (), chat_prompts: bool = True,
+               image_settings: image_processing.ImageSettings | None = None,
+               has_vision_tower: bool = False):
     self.settings, self.tokenizer, self._layout = settings, tok, layout
+    self.image_settings = image_settings or image_processing.ImageSettings()
+    self.has_vision_tower = has_vision_tower
+    self._image_soft_tokens: dict[str, int] = {}  # path -> soft tokens (each image decoded once)
     self._declared_stop_ids = tuple(int(i) for i in declared_stop_ids)
     self._pattern = text_metrics.check_metric(settings.metric, settings.answer_regex)
     self._reward_pattern = (None if settings.reward in text_metrics.GRADED else
@@ -366,17 +427,52 @@ class ChatTask(RlTask):
     ids = self._render([{"role": "user", "content": "x"}], add_generation_prompt=True)
     return bool(ids) and ids[0] == self.tokenizer.bos_id
 
-  def _render(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
-    """The template's ids of `messages`, in thinking mode when data.thinking asks for it."""
+  def _render(self, messages: Sequence[dict], add_generation_prompt: bool,
+              image_soft_tokens: Sequence[int] | None = None) -> list[int]:
+    """The template's ids of `messages`, in thinking mode when data.thinking asks for it, its
+    image tokens expanded to placeholders of `image_soft_tokens` (`Tokenizer.render`)."""
     return self.tokenizer.render(messages, add_generation_prompt=add_generation_prompt,
-                                 enable_thinking=self.settings.thinking)
+                                 enable_thinking=self.settings.thinking,
+                                 image_soft_tokens=image_soft_tokens)
 
   def _render_prompt(self, conversation: chat_data.Conversation, history: Sequence[dict]
-                     ) -> list[int]:
+                     ) -> tuple[list[int], tuple[str, ...]]:
+    """(ids, image paths) of a history with the generation prompt; its images checked against
+    the model and the layout and expanded to their placeholders."""
+    images = chat_data.image_paths(history)
+    return self.render_messages(history, conversation.source), images
+
+  def render_messages(self, messages: Sequence[dict], where: str) -> list[int]:
+    """Ids of `messages` (content parts with absolute image paths allowed) with the generation
+    prompt, each image's placeholder expanded: what the encoder reads. ChatDataError (one line,
+    naming `where`) for a bad image, an image the model cannot take, or a template error."""
+    images = chat_data.image_paths(messages)
+    chat_data.check_images(len(images), self.has_vision_tower, self.settings.max_images, where)
     try:
-      return self._render(history, add_generation_prompt=True)
-    except tokenizer_lib.TokenizerError as e:
-      raise chat_data.ChatDataError(f"{conversation.source}: {e}") from None
+      soft_tokens = [self._soft_tokens(path) for path in images] if images else None
+      return self._render(messages, add_generation_prompt=True, image_soft_tokens=soft_tokens)
+    except (tokenizer_lib.TokenizerError, image_processing.ImageError) as e:
+      raise chat_data.ChatDataError(f"{where}: {e}") from None
+
+  def _soft_tokens(self, path: str) -> int:
+    """An image file's soft tokens, decoding it in full the first time (so a damaged file fails
+    before training starts)."""
+    if path not in self._image_soft_tokens:
+      height, width = image_processing.image_size(path)
+      try:
+        count = image_processing.num_soft_tokens(height, width, self.image_settings)
+      except ValueError as e:
+        raise image_processing.ImageError(f"image {path}: {e}") from None
+      self._image_soft_tokens[path] = count
+    return self._image_soft_tokens[path]
+
+  def process_images(self, paths: Sequence[str]) -> image_processing.ProcessedImages:
+    """The images of one example in its data.max_images slots (absent ones padding)."""
+    return image_processing.process_images(list(paths), self.image_settings,
+                                           num_slots=self.settings.max_images)
+
+  def _image_ids(self) -> tuple[int, ...]:
+    return self.tokenizer.image_token_ids or ()
 
   def target_ids(self, content: str, thought: str | None = None) -> list[int]:
     """The supervised reply: its thought in the template's thinking channel (if it has one),
@@ -396,7 +492,7 @@ class ChatTask(RlTask):
           f"{where}: the reply has a thought ({chat_data.THOUGHT_KEY}) but data.thinking is "
           "False; set --config.data.thinking=True to train thinking mode, or drop the thought")
     try:
-      return self.target_ids(message["content"], thought)
+      return self.target_ids(chat_data.message_text(message), thought)
     except tokenizer_lib.TokenizerError as e:
       raise chat_data.ChatDataError(f"{where}: {e}") from None
 
@@ -409,24 +505,33 @@ class ChatTask(RlTask):
         continue
       history = conversation.messages[:j]
       where = f"{conversation.source} (assistant turn {j + 1})"
-      prompt = chat_data.fit_prompt(self._render_prompt(conversation, history),
-                                    self._layout.prompt_len, self.tokenizer.bos_id, s.overflow,
-                                    where, counts)
+      ids, images = self._render_prompt(conversation, history)
+      prompt = chat_data.fit_prompt(ids, self._layout.prompt_len, self.tokenizer.bos_id,
+                                    s.overflow, where, counts, self._image_ids())
       if prompt is None:
         continue
+      reply = chat_data.message_text(message)
       target = chat_data.fit_target(self._reply_target(message, where),
                                     self._layout.response_len, s.overflow, where, counts)
       if target is None:
         continue
       counts.examples += 1
       out.append(Example(tuple(prompt), tuple(target), conversation.source,
-                         _last_user_text(history), message["content"]))
+                         _last_user_text(history), reply, images))
     return out
 
   def layout_example(self, example: Example) -> dict:
-    """tokens / valid / loss_mask [P + K*C] of one example (chat_data.layout_example)."""
-    return chat_data.layout_example(example.prompt_ids, example.target_ids, self._layout,
-                                    self.tokenizer.pad_id, self.tokenizer.eos_id)
+    """tokens / valid / loss_mask [P + K*C] of one example (chat_data.layout_example); with
+    data.max_images > 0, its images' pixel_values [I, M, D] and image_position_ids [I, M, 2]."""
+    seq = chat_data.layout_example(example.prompt_ids, example.target_ids, self._layout,
+                                   self.tokenizer.pad_id, self.tokenizer.eos_id)
+    if self.settings.max_images:
+      try:
+        images = self.process_images(example.images)
+      except (image_processing.ImageError, ValueError) as e:
+        raise chat_data.ChatDataError(f"{example.source}: {errors.one_line(e)}") from None
+      seq.update(pixel_values=images.pixel_values, image_position_ids=images.position_ids)
+    return seq
 
   def _prompts_of(self, conversations: Sequence[chat_data.Conversation], split: str) -> Prompts:
     """Held-out prompts: each conversation's last assistant turn, its history as the prompt.
@@ -438,22 +543,27 @@ class ChatTask(RlTask):
       raise chat_data.ChatDataError(
           f"{conversations[0].path}: some records have an \"infill\" split and some do not; "
           "a held-out set is all infill records or none")
+    images_of_rows = []
     for conversation in conversations:
       messages = conversation.messages
       j = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-      reference = messages[j]["content"]
+      reference = chat_data.message_text(messages[j])
       if text_metrics.reference_answer(self.settings.metric, reference, self._pattern) is None:
         raise chat_data.ChatDataError(
             f"{conversation.source}: the reference reply has no answer under "
             f"eval.metric={self.settings.metric!r}")
-      prompt = chat_data.fit_prompt(self._render_prompt(conversation, messages[:j]),
-                                    self._layout.prompt_len, self.tokenizer.bos_id,
-                                    self.settings.overflow, conversation.source, counts)
+      ids, images = self._render_prompt(conversation, messages[:j])
+      prompt = chat_data.fit_prompt(ids, self._layout.prompt_len, self.tokenizer.bos_id,
+                                    self.settings.overflow, conversation.source, counts,
+                                    self._image_ids())
       if prompt is None:
         continue
       counts.examples += 1
       tokens, valid = chat_data.left_pad(prompt, self._layout.prompt_len, self.tokenizer.pad_id)
       record = {"source": conversation.source, "prompt": _last_user_text(messages[:j])}
+      if images:
+        record["images"] = list(images)
+      images_of_rows.append(images)
       if conversation.infill is not None:
         prefix, middle, suffix = conversation.infill
         try:
@@ -470,10 +580,20 @@ class ChatTask(RlTask):
     if not rows:
       raise chat_data.ChatDataError(f"no {split} example left after "
                                     f"data.overflow={self.settings.overflow}")
-    if fixed:
-      return Prompts(np.stack(rows), np.stack(valids), references, records,
-                     np.stack([t for t, _ in fixed]), np.stack([m for _, m in fixed]))
-    return Prompts(np.stack(rows), np.stack(valids), references, records)
+    fixed_arrays = ((np.stack([t for t, _ in fixed]), np.stack([m for _, m in fixed])) if fixed
+                    else (None, None))
+    return Prompts(np.stack(rows), np.stack(valids), references, records, *fixed_arrays,
+                   *self._prompt_images(images_of_rows))
+
+  def _prompt_images(self, images_of_rows: Sequence[Sequence[str]]
+                     ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(pixel_values_NxIxMxD, image_positions_NxIxMx2) of prompts' images; (None, None) for a
+    text-only task (data.max_images = 0)."""
+    if not self.settings.max_images:
+      return None, None
+    processed = [self.process_images(paths) for paths in images_of_rows]
+    return (np.stack([p.pixel_values for p in processed]),
+            np.stack([p.position_ids for p in processed]))
 
   def _example_prompts(self, examples: Sequence[Example]) -> Prompts:
     pads = [chat_data.left_pad(e.prompt_ids, self._layout.prompt_len, self.tokenizer.pad_id)
@@ -482,7 +602,10 @@ class ChatTask(RlTask):
     return Prompts(np.stack([t for t, _ in pads]), np.stack([v for _, v in pads]),
                    [e.reference for e in examples],
                    [{"source": e.source, "prompt": e.prompt_text,
-                     "reply_slots": self.layout_example(e)["tokens"][p:]} for e in examples])
+                     "reply_slots": chat_data.layout_example(
+                         e.prompt_ids, e.target_ids, self._layout, self.tokenizer.pad_id,
+                         self.tokenizer.eos_id)["tokens"][p:]} for e in examples],
+                   None, None, *self._prompt_images([e.images for e in examples]))
 
   # ---------------------------------------------------------------- training data
 
@@ -535,12 +658,18 @@ class ChatTask(RlTask):
     lines.append(f"layout: prompt {self._layout.prompt_len}, {self._layout.num_canvases} canvases "
                  f"of {self._layout.canvas_length}; data.overflow={s.overflow}; tokenizer "
                  f"{self.tokenizer.directory} ({self.tokenizer.vocab_size} ids)")
+    if s.max_images:
+      im = self.image_settings
+      lines.append(f"images: {s.max_images} slots per example, up to {im.max_soft_tokens} soft "
+                   f"tokens each ({im.max_patches} patches of {im.patch_size} px, pooled "
+                   f"{im.pooling_kernel_size} x {im.pooling_kernel_size})")
     return "\n".join(lines)
 
   def describe_file(self, path: str, limit: int | None = None) -> list[dict]:
     """What training sees of a data file, example by example (after the overflow policy):
-    source, prompt_text / target_text (specials shown), prompt_ids (BOS included, no padding),
-    target_ids (the supervised ids of every valid canvas, EOS fill included), num_canvases."""
+    source, prompt_text / target_text (specials shown), prompt_ids (BOS included, no padding,
+    image placeholders expanded), target_ids (the supervised ids of every valid canvas, EOS
+    fill included), num_canvases, images (the prompt's image files, in placeholder order)."""
     counts, out = chat_data.OverflowCounts(), []
     for conversation in chat_data.read_jsonl(path):
       for example in self._examples(conversation, counts):
@@ -553,7 +682,8 @@ class ChatTask(RlTask):
             "prompt_text": self.tokenizer.decode(example.prompt_ids, skip_special_tokens=False),
             "target_text": self.tokenizer.decode(target, skip_special_tokens=False),
             "prompt_ids": list(example.prompt_ids), "target_ids": target,
-            "num_canvases": len(target) // self._layout.canvas_length})
+            "num_canvases": len(target) // self._layout.canvas_length,
+            "images": list(example.images)})
         if limit is not None and len(out) >= limit:
           break
       if limit is not None and len(out) >= limit:
@@ -720,21 +850,32 @@ class ChatTask(RlTask):
 
   # ---------------------------------------------------------------- sampling from text
 
-  def prompt_ids(self, text: str, chat: bool = True) -> list[int]:
-    """The ids of a typed prompt, unpadded: one user turn of the chat template and the opening
-    of the model turn (`chat`; in thinking mode under data.thinking), else BOS and the plain
-    text. TokenizerError (one line)."""
+  def prompt_ids(self, text: str, chat: bool = True, images: Sequence[str] = ()) -> list[int]:
+    """The ids of a typed prompt, unpadded: one user turn of the chat template (the image files
+    `images` first, then the text) and the opening of the model turn (`chat`; in thinking mode
+    under data.thinking), else BOS and the plain text. TokenizerError / InputError (one
+    line)."""
+    if images:
+      if not chat:
+        raise ValueError("an image prompt needs the chat template (drop --chat=false)")
+      return self.render_messages(image_prompt_messages(text, images), "--prompt")
     return _typed_prompt_ids(self.tokenizer, text, chat, self.settings.thinking)
 
-  def prompt_from_text(self, text: str, chat: bool = True) -> Prompts:
+  def prompt_from_text(self, text: str, chat: bool = True, images: Sequence[str] = ()
+                       ) -> Prompts:
+    """One typed prompt as a 1-row batch; `images` (file paths) go before the text in the user
+    turn and beside the tokens as the vision tower takes them."""
     if not text.strip():
       raise ValueError("the prompt is empty")
     counts = chat_data.OverflowCounts()
     policy = "error" if self.settings.overflow == "drop" else self.settings.overflow
-    ids = chat_data.fit_prompt(self.prompt_ids(text, chat), self._layout.prompt_len,
-                               self.tokenizer.bos_id, policy, "--prompt", counts)
+    ids = chat_data.fit_prompt(self.prompt_ids(text, chat, images), self._layout.prompt_len,
+                               self.tokenizer.bos_id, policy, "--prompt", counts,
+                               self._image_ids())
     tokens, valid = chat_data.left_pad(ids, self._layout.prompt_len, self.tokenizer.pad_id)
-    return Prompts(tokens[None], valid[None], [None], [{"prompt": text}])
+    record = {"prompt": text, **({"images": list(images)} if images else {})}
+    return Prompts(tokens[None], valid[None], [None], [record], None, None,
+                   *self._prompt_images([tuple(images)]))
 
   def token_strings(self, tokens: Sequence[int]) -> list[str]:
     out = []
@@ -816,32 +957,44 @@ def from_config(config: ml_collections.ConfigDict, training: bool = True,
       raise ValueError(f"the tokenizer's {name} id is {ours} but model.{name}_token_id is "
                        f"{theirs}; use the model's own tokenizer")
   layout = Layout(settings.prompt_len, settings.num_canvases, int(model.canvas_length))
-  return ChatTask(settings, tok, layout, declared_stop_ids(config.get("init_from")))
+  init_from = config.get("init_from")
+  return ChatTask(settings, tok, layout, declared_stop_ids(init_from),
+                  image_settings=image_settings(model, init_from, settings.max_soft_tokens),
+                  has_vision_tower=model_has_vision_tower(model))
 
 
 def checkpoint_task(directory: str, max_new_tokens: int, text: str, chat: bool = True,
-                    thinking: bool = False) -> ChatTask:
+                    thinking: bool = False, images: Sequence[str] = ()) -> ChatTask:
   """The chat task of a model checkpoint directory with its own tokenizer, for sampling a reply
   to `text` (sample.py): the task's defaults (`settings_from_config`), no data, a
-  prompt length of exactly `text`'s ids (`prompt_ids`), so nothing is padded, and the canvases
-  that hold `max_new_tokens` (the checkpoint's canvas length, read without the weights).
+  prompt length of exactly `text`'s ids (`prompt_ids`, with the placeholders of the image files
+  `images`), so nothing is padded, and the canvases that hold `max_new_tokens` (the
+  checkpoint's canvas length, read without the weights).
   `chat=False`: plain-text prompts, and a tokenizer without a chat template is accepted.
   `thinking`: the prompt in the template's thinking mode (sample.py --thinking).
-  TokenizerError, CheckpointFormatError or ValueError (one line)."""
+  TokenizerError, CheckpointFormatError, InputError or ValueError (one line)."""
   if thinking and not chat:
     raise ValueError("thinking mode is the chat template's: it needs chat prompts (--chat)")
   config = ml_collections.ConfigDict(dict(data=dict(prompt_len=1, num_canvases=1, tokenizer="",
                                                     thinking=thinking), eval={}))
-  settings = settings_from_config(config)
+  settings = dataclasses.replace(settings_from_config(config), max_images=len(images))
   tok = load_tokenizer(settings, directory, require_chat=chat)
   if thinking:
     tok.check_thinking_mode("--thinking")
+  arch = model_dirs.read_model_config(directory)
+  num_canvases = math.ceil(max_new_tokens / arch.canvas_length)
+
+  def task(prompt_len: int) -> ChatTask:
+    return ChatTask(dataclasses.replace(settings, prompt_len=prompt_len, num_canvases=num_canvases),
+                    tok, Layout(prompt_len, num_canvases, arch.canvas_length),
+                    declared_stop_ids(directory), chat_prompts=chat,
+                    image_settings=image_settings(arch, directory),
+                    has_vision_tower=model_has_vision_tower(arch))
+
   prompt_len = len(_typed_prompt_ids(tok, text, chat, thinking))
-  canvas_length = model_dirs.read_model_config(directory).canvas_length
-  num_canvases = math.ceil(max_new_tokens / canvas_length)
-  settings = dataclasses.replace(settings, prompt_len=prompt_len, num_canvases=num_canvases)
-  return ChatTask(settings, tok, Layout(prompt_len, num_canvases, canvas_length),
-                  declared_stop_ids(directory), chat_prompts=chat)
+  if images:  # the placeholders' length needs the task's image processing: size it, then fit
+    prompt_len = len(task(prompt_len + 1).prompt_ids(text, chat, images))
+  return task(prompt_len)
 
 
 def overruns(reply: str, reference: str) -> bool:
@@ -869,8 +1022,14 @@ def _fixed_end(fixed_mask_L) -> int:
   return int(fixed[-1]) + 1 if len(fixed) else 0
 
 
+def image_prompt_messages(text: str, images: Sequence[str]) -> list[dict]:
+  """One user turn of image files (absolute paths) then `text`, as content parts."""
+  parts = [{"type": "image", "path": os.path.abspath(path)} for path in images]
+  return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
 def _last_user_text(history: Sequence[dict]) -> str:
-  return next((m["content"] for m in reversed(history) if m["role"] == "user"), "")
+  return next((chat_data.message_text(m) for m in reversed(history) if m["role"] == "user"), "")
 
 
 def _paths(value, key: str) -> tuple[str, ...]:

@@ -4,7 +4,7 @@ Formats (one JSON object per line; blank lines are skipped):
   {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
   {"prompt": "...", "completion": "..."}                  -> one user turn, one assistant turn
   {"conversations": [{"from": "system" | "human" | "gpt", "value": "..."}, ...]}   (ShareGPT)
-Every line is checked: valid JSON, one of the formats, known roles, non-empty string contents, an
+Every line is checked: valid JSON, one of the formats, known roles, non-empty contents, an
 assistant turn, and a user turn before the first assistant turn. A bad line is a `ChatDataError`
 naming the file and line.
 Thoughts: an assistant turn (of "messages" or "conversations") may carry its thought, as
@@ -12,6 +12,16 @@ transformers' chat templates take it, under "reasoning_content" (or "thinking" /
   {"role": "assistant", "content": "4", "reasoning_content": "2 + 2 is 4."}
 It is kept as the message's "reasoning_content" (an empty one is no thought); training writes it
 in the template's thinking channel before the answer (diffgemma/tasks/chat.py).
+Images ("messages" format): a turn's content may be a list of parts, as transformers' chat
+templates take them,
+  {"role": "user", "content": [{"type": "image", "path": "img/0001.png"},
+                               {"type": "text", "text": "What colour is the triangle?"}]}
+image parts in user turns only, their paths relative to the JSONL file (an absolute path is
+kept); every image must exist when the file is read (the chat task decodes each one before a
+run writes anything). The chat template places each image (Gemma 4's writes its image token);
+the chat task expands it to the image's placeholder and hands the pixels beside the tokens
+(diffgemma/tasks/chat.py). A list of text parts reads as its parts' texts, each trimmed, joined
+(`message_text`: what Gemma 4's template writes).
 Infill records (scripts/make_chat_task.py --task=infill_count) add, in any format,
   "infill": {"prefix": P, "middle": M, "suffix": S}     with P + M + S == the last assistant turn
 (M and S non-empty, P may be empty): training reads the conversation as any other; evaluation
@@ -23,15 +33,20 @@ target is the turn's content (stripped, as Gemma's templates render it) then the
 marker. A held-out (evaluation) example is a conversation's last assistant turn; its reference
 is that turn's content.
 
-Layout (static shapes: `Layout` P, K, C):
+Layout (static shapes: `Layout` P, K, C; I = data.max_images image slots):
   tokens   [P + K*C]: the prompt left-padded with PAD to P, then the target, then EOS up to the
            end of its last canvas, then PAD canvases;
   valid    False on the prompt's padding and on the PAD canvases (never attended);
   loss_mask True on every slot of the target's canvases (EOS fill included: the sampler learns
-           to stop), False elsewhere.
+           to stop), False elsewhere;
+  with I > 0, the prompt's images in order (diffgemma/io/image_processing.py's arrays):
+  pixel_values       float32 [I, max_patches, 3 * patch_size**2], absent images all 0;
+  image_position_ids int32 [I, max_patches, 2], padding patches and absent images (-1, -1).
 Overflow (`data.overflow`), counted per policy by `OverflowCounts`:
   prompt longer than P:   truncate_left keeps BOS and the last P - 1 ids (the newest turns and
-                          the generation prompt); drop skips the example; error raises.
+                          the generation prompt), unless that cuts an image's tokens (then an
+                          error: an image is whole or not there); drop skips the example; error
+                          raises.
   target longer than K*C: truncate_left keeps the first K*C ids (the reply's beginning; no
                           end-of-turn then, as the reply goes on past the budget); drop; error.
 
@@ -57,6 +72,7 @@ from diffgemma.tasks.base import Layout
 OVERFLOW_POLICIES = ("truncate_left", "drop", "error")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 ROLES = ("system", "user", "assistant")
+PART_TYPES = ("text", "image")
 _SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: json.loads keeps it
 
 
@@ -67,7 +83,8 @@ class ChatDataError(errors.InputError):
 @dataclasses.dataclass(frozen=True)
 class Conversation:
   """The messages of one JSONL line: dicts {"role", "content"} (an assistant turn's thought
-  under "reasoning_content"), roles in ROLES."""
+  under "reasoning_content"), roles in ROLES, a content a string or a list of parts (image paths
+  resolved against the file's folder)."""
 
   path: str
   line: int
@@ -77,6 +94,27 @@ class Conversation:
   @property
   def source(self) -> str:
     return f"{self.path}:{self.line}"
+
+  @property
+  def images(self) -> tuple[str, ...]:
+    """Every image path of the conversation, in the order the template places them."""
+    return image_paths(self.messages)
+
+
+def image_paths(messages: Sequence[dict]) -> tuple[str, ...]:
+  """The image parts' paths of `messages`, turn by turn, part by part (the order transformers
+  collects them in and its processor fills the placeholders in)."""
+  return tuple(part["path"] for m in messages if not isinstance(m["content"], str)
+               for part in m["content"] if part["type"] == "image")
+
+
+def message_text(message: dict) -> str:
+  """A turn's text: its content string, or its text parts each trimmed and joined (as Gemma 4's
+  template writes a list), images left out."""
+  content = message["content"]
+  if isinstance(content, str):
+    return content
+  return "".join(part["text"].strip() for part in content if part["type"] == "text")
 
 
 # ----------------------------------------------------------------------------- reading
@@ -104,7 +142,7 @@ def read_jsonl(path: str) -> list[Conversation]:
           raise ChatDataError(f"{path}:{number}: JSON nested too deeply to read; a line holds "
                               "one conversation, {\"messages\": [...]}") from None
         try:
-          messages = parse_record(record)
+          messages = parse_record(record, os.path.dirname(os.path.abspath(path)))
           infill = parse_infill(record, messages)
         except ValueError as e:
           raise ChatDataError(f"{path}:{number}: {e}") from None
@@ -116,8 +154,9 @@ def read_jsonl(path: str) -> list[Conversation]:
   return conversations
 
 
-def parse_record(record) -> tuple[dict, ...]:
-  """A record in one of the three formats as messages; ValueError (one line) if malformed."""
+def parse_record(record, folder: str | None = None) -> tuple[dict, ...]:
+  """A record in one of the three formats as messages; ValueError (one line) if malformed.
+  `folder`: where image paths are relative to (the JSONL file's folder); None refuses images."""
   if not isinstance(record, dict):
     raise ValueError(f"expected a JSON object, got {type(record).__name__}")
   if "messages" in record:
@@ -133,6 +172,7 @@ def parse_record(record) -> tuple[dict, ...]:
                      f"{sorted(record)}")
   if not isinstance(raw, list) or not raw:
     raise ValueError("the conversation must be a non-empty list of turns")
+  parts_allowed = "messages" in record  # content parts: the messages format's
   messages = []
   for i, turn in enumerate(raw, start=1):
     if not isinstance(turn, dict):
@@ -141,14 +181,14 @@ def parse_record(record) -> tuple[dict, ...]:
     if not isinstance(role, str) or role not in roles:  # a list or object is no role either
       raise ValueError(f"turn {i} has unknown role {role!r}; expected one of {tuple(roles)}")
     content = turn.get(text_key)
-    if not isinstance(content, str):
-      raise ValueError(f"turn {i} ({role}) has no string {text_key!r}")
-    if not content.strip():
-      raise ValueError(f"turn {i} ({role}) is empty")
-    unpaired = _SURROGATE.search(content)
-    if unpaired:  # a JSON escape such as \ud800 alone: no UTF-8 text to tokenize
-      raise ValueError(f"turn {i} ({role}) holds an unpaired surrogate {unpaired[0]!r} (a \\u "
-                       "escape of half a character); write the whole character")
+    where = f"turn {i} ({role})"
+    if isinstance(content, list) and parts_allowed:
+      content = _parts(content, roles[role], where, folder)
+    elif not isinstance(content, str):
+      raise ValueError(f"{where} has no string {text_key!r}" + (
+          " or list of parts" if parts_allowed else ""))
+    else:
+      _check_text(content, where)
     message = {"role": roles[role], "content": content}
     thought = parse_thought(turn, i, roles[role])
     if thought:
@@ -190,6 +230,53 @@ def parse_thought(turn: dict, index: int, role: str) -> str | None:
   return thought
 
 
+def _check_text(text: str, where: str) -> None:
+  if not text.strip():
+    raise ValueError(f"{where} is empty")
+  unpaired = _SURROGATE.search(text)
+  if unpaired:  # a JSON escape such as \ud800 alone: no UTF-8 text to tokenize
+    raise ValueError(f"{where} holds an unpaired surrogate {unpaired[0]!r} (a \\u escape of "
+                     "half a character); write the whole character")
+
+
+def _parts(content: list, role: str, where: str, folder: str | None) -> list[dict]:
+  """A content list's parts checked: {"type": "text", "text"} or, in user turns,
+  {"type": "image", "path"} (resolved against `folder`; the file must exist)."""
+  if not content:
+    raise ValueError(f"{where} has an empty list of parts")
+  parts = []
+  for n, part in enumerate(content, start=1):
+    here = f"{where} part {n}"
+    kind = part.get("type") if isinstance(part, dict) else None
+    if not isinstance(kind, str) or kind not in PART_TYPES:
+      raise ValueError(f'{here} must be {{"type": "text", "text": ...}} or {{"type": "image", '
+                       f'"path": ...}}, got {_short(part)}')
+    if kind == "text":
+      if not isinstance(part.get("text"), str):
+        raise ValueError(f'{here} has no string "text"')
+      _check_text(part["text"], here)
+      parts.append({"type": "text", "text": part["text"]})
+      continue
+    if role != "user":
+      raise ValueError(f"{here} is an image; images go in user turns")
+    path = part.get("path")
+    if not isinstance(path, str) or not path.strip() or _SURROGATE.search(path):
+      raise ValueError(f'{here} is an image without a "path" (a file path relative to the '
+                       "JSONL file)")
+    if folder is None:
+      raise ValueError(f"{here} is an image, and this reader takes text only")
+    resolved = os.path.normpath(os.path.join(folder, path))
+    if not os.path.isfile(resolved):
+      raise ValueError(f"{here}: image {path} not found ({resolved})")
+    parts.append({"type": "image", "path": resolved})
+  return parts
+
+
+def _short(value) -> str:
+  text = json.dumps(value, ensure_ascii=True)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
 INFILL_PARTS = ("prefix", "middle", "suffix")
 
 
@@ -206,7 +293,7 @@ def parse_infill(record: dict, messages: Sequence[dict]) -> tuple[str, str, str]
     raise ValueError(f'"infill" {list(INFILL_PARTS)} must be strings')
   if not parts[1] or not parts[2]:
     raise ValueError('"infill" needs a non-empty middle and suffix (the prefix may be empty)')
-  reply = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
+  reply = next(message_text(m) for m in reversed(messages) if m["role"] == "assistant")
   if "".join(parts) != reply:
     raise ValueError('"infill" prefix + middle + suffix is not the last assistant turn '
                      f"({''.join(parts)!r} against {reply!r})")
@@ -243,21 +330,29 @@ class OverflowCounts:
 
 
 def fit_prompt(ids: Sequence[int], prompt_len: int, bos_id: int, policy: str, where: str,
-               counts: OverflowCounts) -> list[int] | None:
-  """The prompt ids cut to `prompt_len` under `policy` (None: drop the example)."""
+               counts: OverflowCounts, image_ids: Sequence[int] = ()) -> list[int] | None:
+  """The prompt ids cut to `prompt_len` under `policy` (None: drop the example). A cut that
+  would remove any of `image_ids` (the image tokens: boi, image, eoi) is an error instead."""
   ids = list(ids)
   if len(ids) <= prompt_len:
     return ids
+  num_image = int(np.isin(ids, list(image_ids)).sum()) if image_ids else 0
+  holds = f" with {num_image} image tokens" if num_image else ""
   if policy == "error":
-    raise ChatDataError(f"{where}: the prompt is {len(ids)} tokens, longer than "
+    raise ChatDataError(f"{where}: the prompt is {len(ids)} tokens{holds}, longer than "
                         f"data.prompt_len={prompt_len}; raise it or set data.overflow to "
                         "truncate_left or drop")
   if policy == "drop":
     counts.prompt_dropped += 1
     return None
-  counts.prompt_truncated += 1
   head = ids[:1] if ids[0] == bos_id else []
-  return head + ids[len(ids) - (prompt_len - len(head)):]
+  cut = len(ids) - (prompt_len - len(head))
+  if num_image and np.isin(ids[len(head):cut], list(image_ids)).any():
+    raise ChatDataError(f"{where}: the prompt is {len(ids)} tokens{holds}, longer than "
+                        f"data.prompt_len={prompt_len}, and cutting it would cut an image; "
+                        "raise data.prompt_len or set data.overflow=drop")
+  counts.prompt_truncated += 1
+  return head + ids[cut:]
 
 
 def fit_target(ids: Sequence[int], response_len: int, policy: str, where: str,
@@ -275,6 +370,25 @@ def fit_target(ids: Sequence[int], response_len: int, policy: str, where: str,
     return None
   counts.target_truncated += 1
   return ids[:response_len]
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def check_images(num_images: int, has_vision_tower: bool, max_images: int, where: str) -> None:
+  """An example's images against the model and the layout. ChatDataError (one line, naming
+  `where`) when it has images and the model has no vision tower, or more images than the
+  layout's `max_images` slots (data.max_images)."""
+  if not num_images:
+    return
+  noun = "image" if num_images == 1 else "images"
+  if not has_vision_tower:
+    raise ChatDataError(f"{where}: holds {num_images} {noun} but the model has no vision tower; "
+                        "start from a checkpoint with one (a vision_config in its config.json) "
+                        "or give text only")
+  if num_images > max_images:
+    raise ChatDataError(f"{where}: holds {num_images} {noun}, more than data.max_images="
+                        f"{max_images} image slots per example; raise data.max_images")
 
 
 # ----------------------------------------------------------------------------- layout
@@ -366,7 +480,7 @@ def split_held_out(conversations: Sequence[Conversation], fraction: float, seed:
 
 def user_texts(paths: Sequence[str]) -> set[str]:
   """Every user turn's text in these JSONL files (read as `read_jsonl` reads them)."""
-  return {m["content"] for path in paths for c in read_jsonl(path) for m in c.messages
+  return {message_text(m) for path in paths for c in read_jsonl(path) for m in c.messages
           if m["role"] == "user"}
 
 
