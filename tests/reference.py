@@ -17,12 +17,26 @@ TINY_TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden
                  moe_intermediate_size=24, max_position_embeddings=512)
 
 
-def tiny_reference(seed: int, canvas_length: int = 8, **text_overrides):
+# A tiny vision tower with every feature: GQA, clippable linears, standardized soft tokens.
+# Patches of 2x2 pixels (rows of 12 values), pooled 2x2 into soft tokens.
+TINY_VISION = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=12, patch_size=2,
+                   pooling_kernel_size=2, position_embedding_size=16, use_clipped_linears=True,
+                   standardize=True)
+# Token ids of the tiny vision model (inside TINY_TEXT's vocabulary of 64).
+TINY_IMAGE_TOKENS = dict(image_token_id=60, boi_token_id=61, eoi_token_id=62)
+
+
+def tiny_reference(seed: int, canvas_length: int = 8, vision: dict | None = None,
+                   **text_overrides):
   """A random tiny reference model in float32 with every weight perturbed away from its init
-  (norm weights, router scales and layer scalars included), so parity checks see them all."""
+  (norm weights, router scales and layer scalars included), so parity checks see them all.
+  `vision`: a vision_config dict (e.g. TINY_VISION) for a model with a vision tower, whose
+  buffers (clip bounds, standardization) are perturbed too."""
   torch.manual_seed(seed)
-  config = DiffusionGemmaConfig(text_config={**TINY_TEXT, **text_overrides}, vision_config=None,
-                                canvas_length=canvas_length)
+  extra = {} if vision is None else TINY_IMAGE_TOKENS
+  config = DiffusionGemmaConfig(text_config={**TINY_TEXT, **text_overrides}, vision_config=vision,
+                                canvas_length=canvas_length, **extra)
   config._attn_implementation = "eager"
   model = DiffusionGemmaForBlockDiffusion(config).eval().float()
   return _perturb(model, seed)
@@ -52,12 +66,36 @@ def _perturb(model, seed: int):
     # equal, as in a real checkpoint where both come from the same trained value.
     buffers = dict(model.named_buffers())
     for name, b in buffers.items():
+      # The vision tower's buffers: clip bounds that cut some activations (inputs at about
+      # +-1.5 of unit-scale values, outputs at +-3), and a standardization away from identity.
+      if name.endswith(("input_min", "input_max", "output_min", "output_max")):
+        bound = 1.5 if ".input_" in name else 3.0
+        sign = -1.0 if name.endswith("_min") else 1.0
+        b.fill_(sign * bound * (1.0 + 0.2 * torch.rand((), generator=gen).item()))
+      elif name.endswith("std_bias"):
+        b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+      elif name.endswith("std_scale"):
+        b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=gen))
       if name.endswith("layer_scalar") and not name.startswith("model.decoder."):
         b.copy_(0.5 + torch.rand(b.shape, generator=gen))
         decoder_copy = "model.decoder.layers." + name.split("layers.")[1]
         if decoder_copy in buffers:
           buffers[decoder_copy].copy_(b)
   return model
+
+
+def image_patches(rng, grids, max_patches: int, patch_dim: int):
+  """Random images in the image processor's format: pixel_values [N, max_patches, patch_dim] in
+  [0, 1] and image_position_ids [N, max_patches, 2] int64 ((x, y) of each patch, row by row;
+  padding: zero pixels at (-1, -1)). `grids`: (width, height) in patches of each image."""
+  pixels = np.zeros((len(grids), max_patches, patch_dim), np.float32)
+  positions = np.full((len(grids), max_patches, 2), -1, np.int64)
+  for i, (width, height) in enumerate(grids):
+    n = width * height
+    pixels[i, :n] = rng.uniform(0.0, 1.0, (n, patch_dim))
+    ys, xs = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
+    positions[i, :n] = np.stack([xs.ravel(), ys.ravel()], axis=-1)
+  return pixels, positions
 
 
 def state_dict_numpy(model) -> dict[str, np.ndarray]:

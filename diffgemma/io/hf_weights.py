@@ -7,6 +7,11 @@ transformers stores linear weights as [out, in]. A DiffusionGemma checkpoint hol
 backbone once, under the encoder or the decoder prefix (the other copy is tied; `save_pretrained`
 writes the decoder's), plus the decoder-only self-conditioning block. A Gemma 4 checkpoint holds
 the same backbone under `model.language_model.` (multimodal) or `model.` (text only).
+
+A checkpoint with a vision tower holds it under `model.encoder.vision_tower.` and the multimodal
+embedder under `model.encoder.embed_vision.` (Gemma 4: `model.vision_tower.`,
+`model.embed_vision.`); they map to our `vision_tower` and `embed_vision` subtrees, every
+tensor both ways, buffers included (the clippable linears' bounds, std_bias, std_scale).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import jax
 import numpy as np
 
 from diffgemma import errors
-from diffgemma.model.config import FULL, SLIDING, ModelConfig
+from diffgemma.model.config import FULL, SLIDING, ModelConfig, VisionConfig
 
 ENCODER = "model.encoder.language_model."
 DECODER = "model.decoder."
@@ -26,13 +31,16 @@ SELF_CONDITIONING = DECODER + "self_conditioning."
 GEMMA4_PREFIXES = ("model.language_model.", "model.")
 DIFFUSION_GEMMA = "diffusion_gemma"
 GEMMA4 = "gemma4"
-# Towers of the multimodal checkpoints: not part of the text model, skipped with a note.
-NON_TEXT_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.",
-                     "model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
-                     "model.embed_audio.")
+# Where the vision tower and the multimodal embedder live, per checkpoint kind.
+VISION_PREFIX = {DIFFUSION_GEMMA: "model.encoder.", GEMMA4: "model."}
+# Gemma 4's audio tower: not part of DiffusionGemma, skipped with a note.
+AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
 # transformers requires these config keys; our model does not use them (RoPE needs no table).
 HF_MAX_POSITION_EMBEDDINGS = 131_072
 HF_ACTIVATION = "gelu_pytorch_tanh"
+VISION_ROPE_TYPE = "axial"
+# What each entry of `tensor_table` belongs to.
+BACKBONE, SELF_CONDITIONING_BLOCK, VISION = "backbone", "self_conditioning", "vision"
 
 _LAYER_NORMS = {
     "input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
@@ -97,20 +105,64 @@ def _layer_table(cfg: ModelConfig, i: int) -> dict[tuple, tuple[str, Layout]]:
   return table
 
 
-def tensor_table(cfg: ModelConfig) -> Iterator[tuple[tuple, str, Layout, bool]]:
-  """Every parameter: (our path, transformers name, layout, is_backbone).
+_VISION_LAYER_NORMS = {
+    "input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+    "pre_ffw_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}
+_VISION_LINEARS = {("attn", "q"): ("self_attn.q_proj", HEADS_IN),
+                   ("attn", "k"): ("self_attn.k_proj", HEADS_IN),
+                   ("attn", "v"): ("self_attn.v_proj", HEADS_IN),
+                   ("attn", "o"): ("self_attn.o_proj", HEADS_OUT),
+                   ("mlp", "gate"): ("mlp.gate_proj", LINEAR),
+                   ("mlp", "up"): ("mlp.up_proj", LINEAR),
+                   ("mlp", "down"): ("mlp.down_proj", LINEAR)}
+_CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 
-  Backbone names are relative to the backbone prefix; self-conditioning names are absolute.
+
+def _vision_table(cfg: ModelConfig) -> Iterator[tuple[tuple, str, Layout]]:
+  """The vision tower and the multimodal embedder: (our path, name under the vision prefix,
+  layout)."""
+  v = cfg.vision
+  tower = ("vision_tower",)
+  yield tower + ("patch_embedder", "input_proj"), "vision_tower.patch_embedder.input_proj.weight", \
+      LINEAR
+  yield (tower + ("patch_embedder", "position_embedding_table"),
+         "vision_tower.patch_embedder.position_embedding_table", SAME)
+  for i in range(v.num_hidden_layers):
+    ours, theirs = tower + ("layers", i), f"vision_tower.encoder.layers.{i}."
+    for (module, name), (linear, layout) in _VISION_LINEARS.items():
+      yield ours + (module, name), theirs + linear + ".linear.weight", layout
+      if v.use_clipped_linears:
+        for bound in _CLIP_BOUNDS:
+          yield ours + (module, name + "_clip", bound), theirs + f"{linear}.{bound}", SAME
+    for norm in ("q_norm", "k_norm"):
+      yield ours + ("attn", norm), theirs + f"self_attn.{norm}.weight", SAME
+    for norm, hf_norm in _VISION_LAYER_NORMS.items():
+      yield ours + (norm,), theirs + hf_norm + ".weight", SAME
+  if v.standardize:
+    for name in ("std_bias", "std_scale"):
+      yield tower + (name,), f"vision_tower.{name}", SAME
+  yield ("embed_vision", "projection"), "embed_vision.embedding_projection.weight", LINEAR
+
+
+def tensor_table(cfg: ModelConfig) -> Iterator[tuple[tuple, str, Layout, str]]:
+  """Every parameter: (our path, transformers name, layout, group).
+
+  group BACKBONE: the name is relative to the backbone prefix; VISION: relative to the
+  checkpoint kind's VISION_PREFIX (only with cfg.vision); SELF_CONDITIONING_BLOCK: absolute.
   """
-  yield ("embedding",), "embed_tokens.weight", SAME, True
-  yield ("final_norm",), "norm.weight", SAME, True
+  yield ("embedding",), "embed_tokens.weight", SAME, BACKBONE
+  yield ("final_norm",), "norm.weight", SAME, BACKBONE
   for i in range(cfg.num_layers):
     for path, (name, layout) in _layer_table(cfg, i).items():
-      yield ("layers", i) + path, name, layout, True
+      yield ("layers", i) + path, name, layout, BACKBONE
   sc = {"pre_norm": SAME, "gate": LINEAR, "up": LINEAR, "down": LINEAR}
   for ours, layout in sc.items():
     theirs = "pre_norm.weight" if ours == "pre_norm" else f"{ours}_proj.weight"
-    yield ("self_conditioning", ours), SELF_CONDITIONING + theirs, layout, False
+    yield ("self_conditioning", ours), SELF_CONDITIONING + theirs, layout, SELF_CONDITIONING_BLOCK
+  if cfg.vision is not None:
+    for path, name, layout in _vision_table(cfg):
+      yield path, name, layout, VISION
 
 
 # ----------------------------------------------------------------------------- config
@@ -160,11 +212,50 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
         full_rope_partial_factor=full_rope.get("partial_rotary_factor", 0.25),
         pad_token_id=text.get("pad_token_id", 0),
         eos_token_id=_first(text.get("eos_token_id", 1)), bos_token_id=text.get("bos_token_id", 2),
-        canvas_length=hf_config.get("canvas_length", 256))
+        canvas_length=hf_config.get("canvas_length", 256),
+        use_bidirectional_attention=text.get("use_bidirectional_attention"))
   except KeyError as e:
     raise WeightMappingError(f"config.json lacks the key {e.args[0]!r}") from None
+  if hf_config.get("vision_config"):
+    kwargs["vision"] = vision_config_from_hf(hf_config["vision_config"])
+  for name in ("image_token_id", "boi_token_id", "eoi_token_id"):
+    if hf_config.get(name) is not None:
+      kwargs[name] = hf_config[name]
   kwargs.update(overrides)
   return ModelConfig(**kwargs)
+
+
+def vision_config_from_hf(vision: Mapping[str, Any]) -> VisionConfig:
+  """Our VisionConfig from a `vision_config` dict (Gemma 4's vision tower)."""
+  problems = []
+  if vision.get("model_type", "gemma4_vision") != "gemma4_vision":
+    problems.append(f"model_type {vision.get('model_type')!r}")
+  if vision.get("hidden_activation", HF_ACTIVATION) != HF_ACTIVATION:
+    problems.append(f"hidden_activation {vision.get('hidden_activation')!r}")
+  if vision.get("attention_bias"):
+    problems.append("attention biases")
+  rope = vision.get("rope_parameters") or {}
+  if rope.get("rope_type", VISION_ROPE_TYPE) != VISION_ROPE_TYPE:
+    problems.append(f"rope_type {rope.get('rope_type')!r}")
+  if problems:
+    raise WeightMappingError("config.json's vision_config is not Gemma 4's vision tower: " +
+                             "; ".join(problems))
+  names = [f.name for f in dataclasses.fields(VisionConfig) if f.name != "rope_theta"]
+  kwargs = {name: vision[name] for name in names if vision.get(name) is not None}
+  if "rope_theta" in rope:
+    kwargs["rope_theta"] = rope["rope_theta"]
+  return VisionConfig(**kwargs)
+
+
+def vision_config_to_hf(vision: VisionConfig) -> dict[str, Any]:
+  """transformers' `Gemma4VisionConfig` dict for our VisionConfig."""
+  out = {"model_type": "gemma4_vision"}
+  out.update({f.name: getattr(vision, f.name) for f in dataclasses.fields(VisionConfig)
+              if f.name != "rope_theta"})
+  out.update({"rope_parameters": {"rope_type": VISION_ROPE_TYPE, "rope_theta": vision.rope_theta},
+              "hidden_activation": HF_ACTIVATION, "attention_bias": False,
+              "attention_dropout": 0.0, "max_position_embeddings": HF_MAX_POSITION_EMBEDDINGS})
+  return out
 
 
 def _check_gemma4_backbone(text: Mapping[str, Any]) -> None:
@@ -185,7 +276,8 @@ def _check_gemma4_backbone(text: Mapping[str, Any]) -> None:
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
-  """transformers' DiffusionGemma `config.json` dict for our config (text only)."""
+  """transformers' DiffusionGemma `config.json` dict for our config (with its vision tower's
+  `vision_config`, or None for a text-only model)."""
   text = {
       "model_type": "diffusion_gemma_text", "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -205,10 +297,13 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
       "max_position_embeddings": HF_MAX_POSITION_EMBEDDINGS, "tie_word_embeddings": True,
       "pad_token_id": cfg.pad_token_id, "eos_token_id": cfg.eos_token_id,
       "bos_token_id": cfg.bos_token_id, "attention_bias": False, "attention_dropout": 0.0,
+      "use_bidirectional_attention": cfg.use_bidirectional_attention,
   }
   return {"architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": DIFFUSION_GEMMA,
           "canvas_length": cfg.canvas_length, "tie_word_embeddings": True, "dtype": dtype,
-          "text_config": text, "vision_config": None}
+          "image_token_id": cfg.image_token_id, "boi_token_id": cfg.boi_token_id,
+          "eoi_token_id": cfg.eoi_token_id, "text_config": text,
+          "vision_config": None if cfg.vision is None else vision_config_to_hf(cfg.vision)}
 
 
 def _first(x):
@@ -239,10 +334,12 @@ def params_from_hf(tensors: Mapping[str, Any], cfg: ModelConfig, abstract_params
     abstract_params: the expected pytree of shapes (default `transformer.abstract_params(cfg)`);
       every tensor is checked against it and a mismatch names the tensor.
     kind: DIFFUSION_GEMMA, or GEMMA4 (no self-conditioning block: pass `self_conditioning`).
+      With cfg.vision, the vision tower and the multimodal embedder are read too.
     dtype: cast every tensor to this dtype (None keeps the checkpoint's).
     place: optional (path, numpy array) -> leaf, e.g. a device_put onto the leaf's sharding, so
       only one tensor at a time is held in host memory.
-    strict: every text tensor of the checkpoint must be used; an unknown name raises.
+    strict: every tensor of the checkpoint but the audio tower's must be used; an unknown name
+      raises.
   """
   place = place or (lambda path, arr: arr)
   if abstract_params is None:
@@ -253,10 +350,12 @@ def params_from_hf(tensors: Mapping[str, Any], cfg: ModelConfig, abstract_params
   prefix = backbone_prefix(tensors, kind)
   used = set()
   params: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}
-  for path, name, layout, is_backbone in tensor_table(cfg):
-    if not is_backbone and kind == GEMMA4:
+  if cfg.vision is not None:
+    params["vision_tower"] = {"layers": [{} for _ in range(cfg.vision.num_hidden_layers)]}
+  for path, name, layout, group in tensor_table(cfg):
+    if group == SELF_CONDITIONING_BLOCK and kind == GEMMA4:
       continue
-    full_name = prefix + name if is_backbone else name
+    full_name = {BACKBONE: prefix, VISION: VISION_PREFIX[kind]}.get(group, "") + name
     if full_name not in tensors:
       raise WeightMappingError(f"missing tensor {full_name!r} in the checkpoint")
     used.add(full_name)
@@ -284,10 +383,10 @@ def params_from_hf(tensors: Mapping[str, Any], cfg: ModelConfig, abstract_params
     tied = ["lm_head.weight"]
   else:
     other = DECODER if prefix == ENCODER else ENCODER
-    tied = ["lm_head.weight"] + [other + n for _, n, _, b in tensor_table(cfg) if b]
+    tied = ["lm_head.weight"] + [other + n for _, n, _, g in tensor_table(cfg) if g == BACKBONE]
   if strict:
     tied = set(tied)
-    unused = [n for n in tensors if n not in used and n not in tied and not is_non_text(n)]
+    unused = [n for n in tensors if n not in used and n not in tied and not is_audio(n)]
     if unused:
       raise WeightMappingError(f"unexpected tensor {unused[0]!r} in the checkpoint "
                                f"({len(unused)} unused in all)")
@@ -307,8 +406,8 @@ def _check_tied_scalar(tensors, name, prefix, kind, value, used) -> None:
                                "decoder layer_scalar must be equal")
 
 
-def is_non_text(name: str) -> bool:
-  return name.startswith(NON_TEXT_PREFIXES)
+def is_audio(name: str) -> bool:
+  return name.startswith(AUDIO_PREFIXES)
 
 
 def _leaf(tree, path):
@@ -336,9 +435,10 @@ def hf_tensor_specs(cfg: ModelConfig, params, dtype=None):
 
   The layout is what `save_pretrained` writes: the backbone under the decoder prefix (the
   encoder's copy is tied), both copies of the untied layer_scalar buffers, and the
-  self-conditioning block. Each thunk fetches one leaf (device -> host) when called.
+  self-conditioning block, and with cfg.vision the vision tower and the multimodal embedder.
+  Each thunk fetches one leaf (device -> host) when called.
   """
-  for path, name, layout, is_backbone in tensor_table(cfg):
+  for path, name, layout, group in tensor_table(cfg):
     leaf = _leaf(params, path)
     out_dtype = np.dtype(dtype or leaf.dtype)
 
@@ -346,6 +446,7 @@ def hf_tensor_specs(cfg: ModelConfig, params, dtype=None):
       return np.asarray(layout.to_hf(np.asarray(leaf))).astype(out_dtype, copy=False)
 
     shape = _hf_shape(layout, leaf.shape)
-    yield (DECODER + name if is_backbone else name), shape, out_dtype, fetch
+    full_name = {BACKBONE: DECODER, VISION: VISION_PREFIX[DIFFUSION_GEMMA]}.get(group, "") + name
+    yield full_name, shape, out_dtype, fetch
     if path[-1] == "layer_scalar":
       yield ENCODER + name, shape, out_dtype, fetch

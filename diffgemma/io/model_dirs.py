@@ -198,9 +198,9 @@ def _load_hf(path, config, dtype, shardings, rng, log, overrides):
                     else "float32")
   cfg = hf_weights.config_from_hf(config, param_dtype=dtype, **overrides)
   tensors = SafetensorsDir(path)
-  skipped = sum(hf_weights.is_non_text(n) for n in tensors)
+  skipped = sum(hf_weights.is_audio(n) for n in tensors)
   if skipped:
-    log(f"note: skipped {skipped} vision/audio tensors of {path} (the model is text only)")
+    log(f"note: skipped {skipped} audio tensors of {path} (DiffusionGemma reads text and images)")
   self_conditioning = None
   if source == hf_weights.GEMMA4:
     rng = jax.random.PRNGKey(0) if rng is None else rng

@@ -1,7 +1,9 @@
-"""Model configuration: one frozen dataclass, from a few-hundred-K test model to 26B-A4B.
+"""Model configuration: one frozen dataclass, from a few-hundred-K test model to 26B-A4B, with
+an optional vision tower (`VisionConfig`).
 
 Field names follow transformers' `DiffusionGemmaTextConfig` where one exists, so a checkpoint's
-`config.json` maps onto this class field by field (see `hf_weights.config_from_hf`).
+`config.json` maps onto this class field by field (see `hf_weights.config_from_hf`); the vision
+tower's follow `Gemma4VisionConfig`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,61 @@ POSITIVE_INTS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
     "head_dim", "global_head_dim", "num_global_kv_heads", "sliding_window", "num_experts",
     "top_k_experts", "moe_intermediate_size", "canvas_length", "moe_tile_size")
+
+
+BIDIRECTIONAL_CHOICES = ("vision",)
+VISION_POSITIVE_INTS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "pooling_kernel_size", "patch_size",
+    "position_embedding_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """Sizes of Gemma 4's vision tower (transformers' `Gemma4VisionConfig`, same field names;
+  `rope_theta` is its `rope_parameters["rope_theta"]`, the axial 2-D RoPE's base).
+
+  An image is cut into patch_size x patch_size patches (pixel_values rows of 3 * patch_size**2),
+  encoded bidirectionally by `num_hidden_layers` layers, then average-pooled over
+  pooling_kernel_size x pooling_kernel_size patches into soft tokens. `position_embedding_size`
+  bounds a patch's x and y index. `use_clipped_linears`: every linear clamps its input and
+  output to stored bounds. `standardize`: the soft tokens get (x - std_bias) * std_scale.
+  """
+
+  hidden_size: int = 768
+  intermediate_size: int = 3072
+  num_hidden_layers: int = 16
+  num_attention_heads: int = 12
+  num_key_value_heads: int = 12
+  head_dim: int = 64
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 100.0
+  pooling_kernel_size: int = 3
+  patch_size: int = 16
+  position_embedding_size: int = 10 * 1024
+  use_clipped_linears: bool = False
+  standardize: bool = False
+  initializer_range: float = 0.02
+
+  def __post_init__(self):
+    fields.check_types(self, "model.vision.")
+    for name in VISION_POSITIVE_INTS:
+      if getattr(self, name) < 1:
+        raise ValueError(f"model.vision.{name} must be >= 1, got {getattr(self, name)}")
+    for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.vision.{name} must be > 0, got {getattr(self, name)}")
+    if self.head_dim % 4:
+      raise ValueError(f"model.vision.head_dim={self.head_dim} must be a multiple of 4 (2-D "
+                       "RoPE rotates pairs along x and along y)")
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"model.vision.num_attention_heads={self.num_attention_heads} is not a "
+                       f"multiple of model.vision.num_key_value_heads={self.num_key_value_heads}")
+
+  @property
+  def patch_dim(self) -> int:
+    """Length of one patch's row of pixel values: 3 channels x patch_size**2."""
+    return 3 * self.patch_size ** 2
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:
@@ -85,8 +142,22 @@ class ModelConfig:
   # backward pass; "full" keeps only each layer's input and recomputes the rest; "dots" also
   # keeps matmul outputs without batch dimensions (jax.checkpoint_policies).
   remat: str = "none"
+  # The vision tower (None: a text-only model). Its soft tokens replace the prompt's
+  # `image_token_id` placeholders, which the processor writes between boi and eoi tokens.
+  vision: VisionConfig | None = None
+  image_token_id: int = 258_880
+  boi_token_id: int = 255_999
+  eoi_token_id: int = 258_882
+  # "vision": the encoder attends bidirectionally inside each image's run of placeholder
+  # tokens (the larger Gemma 4 models); None: causal everywhere.
+  use_bidirectional_attention: str | None = None
 
   def __post_init__(self):
+    if isinstance(self.vision, dict):  # from a config.json or a config section
+      object.__setattr__(self, "vision", VisionConfig(**self.vision))
+    if self.vision is not None and not isinstance(self.vision, VisionConfig):
+      raise ValueError(f"model.vision must be a VisionConfig, a dict of its fields or None, got "
+                       f"{self.vision!r}")
     fields.check_types(self, "model.")
     for name in POSITIVE_INTS:
       if getattr(self, name) < 1:
@@ -96,6 +167,16 @@ class ModelConfig:
       if not 0 <= token < self.vocab_size:
         raise ValueError(f"model.{name}={token} is outside the vocabulary "
                          f"(vocab_size={self.vocab_size})")
+    if self.vision is not None:
+      for name in ("image_token_id", "boi_token_id", "eoi_token_id"):
+        token = getattr(self, name)
+        if not 0 <= token < self.vocab_size:
+          raise ValueError(f"model.{name}={token} is outside the vocabulary "
+                           f"(vocab_size={self.vocab_size}); a model with a vision tower needs it")
+    if (self.use_bidirectional_attention is not None
+        and self.use_bidirectional_attention not in BIDIRECTIONAL_CHOICES):
+      raise ValueError(f"model.use_bidirectional_attention={self.use_bidirectional_attention!r} "
+                       f"is not supported; choose None or one of {BIDIRECTIONAL_CHOICES}")
     for name in ("rms_norm_eps", "sliding_rope_theta", "full_rope_theta", "qk_norm_init",
                  "initializer_range"):
       if getattr(self, name) <= 0:
