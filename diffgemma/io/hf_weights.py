@@ -109,13 +109,13 @@ _VISION_LAYER_NORMS = {
     "input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
     "pre_ffw_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
-_VISION_LINEARS = {("attn", "q"): ("self_attn.q_proj", HEADS_IN),
-                   ("attn", "k"): ("self_attn.k_proj", HEADS_IN),
-                   ("attn", "v"): ("self_attn.v_proj", HEADS_IN),
-                   ("attn", "o"): ("self_attn.o_proj", HEADS_OUT),
-                   ("mlp", "gate"): ("mlp.gate_proj", LINEAR),
-                   ("mlp", "up"): ("mlp.up_proj", LINEAR),
-                   ("mlp", "down"): ("mlp.down_proj", LINEAR)}
+_VISION_LINEARS = {("attn", "q_proj"): ("self_attn.q_proj", HEADS_IN),
+                   ("attn", "k_proj"): ("self_attn.k_proj", HEADS_IN),
+                   ("attn", "v_proj"): ("self_attn.v_proj", HEADS_IN),
+                   ("attn", "o_proj"): ("self_attn.o_proj", HEADS_OUT),
+                   ("mlp", "gate_proj"): ("mlp.gate_proj", LINEAR),
+                   ("mlp", "up_proj"): ("mlp.up_proj", LINEAR),
+                   ("mlp", "down_proj"): ("mlp.down_proj", LINEAR)}
 _CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 
 

@@ -7,8 +7,11 @@ without importing each other.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 
-def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_window):
+
+def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_window,
+                   q_block_BxT=None, kv_block_BxS=None):
   """The one attention mask of the model, [B, T, S] bool.
 
   Key j is visible to query t when it is valid, not after the query's limit, and (on sliding
@@ -18,8 +21,25 @@ def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_
   Decoder (a canvas starting at L): anchor = L, limit = the canvas's last position, so every
   canvas token sees the whole canvas and the last window-1 prefix tokens (the reference keeps
   exactly that many in its sliding-window cache).
+  With block ids (`image_blocks`: >= 0 the image a token belongs to, -1 text), a valid key of
+  the query's own block is visible too, past the limit and the window: the encoder attends
+  bidirectionally inside each image (use_bidirectional_attention="vision"), on every layer, as
+  transformers' DiffusionGemma masks do (causal-or-block, then the window's cut, then padding).
   """
-  visible = kv_valid_BxS[:, None, :] & (kv_pos_BxS[:, None, :] <= q_limit_BxT[:, :, None])
+  visible = kv_pos_BxS[:, None, :] <= q_limit_BxT[:, :, None]
   if sliding_window is not None:
     visible &= kv_pos_BxS[:, None, :] > q_anchor_BxT[:, :, None] - sliding_window
-  return visible
+  if q_block_BxT is not None:
+    same_block = q_block_BxT[:, :, None] == kv_block_BxS[:, None, :]
+    visible |= same_block & (q_block_BxT[:, :, None] >= 0)
+  return kv_valid_BxS[:, None, :] & visible
+
+
+def image_blocks(is_image_BxT):
+  """Block ids [B, T] int32 for `attention_mask`: each run of consecutive image tokens gets its
+  own id (0, 1, ... from the left), every other token -1 (transformers'
+  `get_block_sequence_ids_for_mask` over the processor's mm_token_type_ids)."""
+  previous = jnp.pad(is_image_BxT[:, :-1], ((0, 0), (1, 0)))
+  starts = is_image_BxT & ~previous
+  ids = jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1
+  return jnp.where(is_image_BxT, ids, -1).astype(jnp.int32)

@@ -32,7 +32,8 @@ from diffgemma.model import fields
 Params = dict[str, Any]
 
 # Per linear weight name: (leading expert axes, input axes); the remaining axes are outputs.
-# These are all the linear maps of the model (transformer.py's parameter layout).
+# These are all the linear maps of the model (transformer.py's parameter layout), and of the
+# vision tower and its embedder (vision.py's; the default targets leave those frozen).
 LINEAR_LAYOUTS = {
     "attn.q": (0, 1), "attn.k": (0, 1), "attn.v": (0, 1), "attn.o": (0, 2),
     "mlp.gate": (0, 1), "mlp.up": (0, 1), "mlp.down": (0, 1),
@@ -40,6 +41,9 @@ LINEAR_LAYOUTS = {
     "experts.gate_up": (1, 1), "experts.down": (1, 1),
     "self_conditioning.gate": (0, 1), "self_conditioning.up": (0, 1),
     "self_conditioning.down": (0, 1),
+    "attn.q_proj": (0, 1), "attn.k_proj": (0, 1), "attn.v_proj": (0, 1), "attn.o_proj": (0, 2),
+    "mlp.gate_proj": (0, 1), "mlp.up_proj": (0, 1), "mlp.down_proj": (0, 1),
+    "patch_embedder.input_proj": (0, 1), "embed_vision.projection": (0, 1),
 }
 ROUTER_PATTERN = r"router\.proj$"
 INITS = ("kaiming_uniform", "gaussian")
@@ -50,7 +54,9 @@ class LoraConfig:
   """Which weights get adapters and how (every field is a config key under `lora.`).
 
   targets: regular expressions searched in each weight's dotted path; the default covers every
-    linear of the model (the report's "all linear operations").
+    linear of the language model (the report's "all linear operations"), not the vision tower's
+    (`vision_tower.layers.0.attn.q_proj`, ...: add e.g. r"^vision_tower\..*_proj$" to adapt
+    them).
   init: "kaiming_uniform" (A ~ U(+-1/sqrt(fan_in)), as PEFT) or "gaussian" (A ~ N(0, 1/rank));
     B starts at zero either way, so training starts from the base model exactly.
   base_dtype: dtype the frozen base weights are stored in ("bfloat16" halves their memory), or

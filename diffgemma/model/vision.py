@@ -12,9 +12,9 @@ Inputs are what transformers' Gemma 4 image processor returns, one row per image
 Parameter layout (linear weights are [in, out]; Dv vision hidden, F its MLP width, H / K heads
 and kv heads, hd head_dim, D the text hidden):
   vision_tower: patch_embedder: input_proj [3 p^2, Dv], position_embedding_table [2, pos, Dv];
-                layers[i]: attn: q [Dv, H, hd], k [Dv, K, hd], v [Dv, K, hd], o [H, hd, Dv],
-                                 q_norm [hd], k_norm [hd];
-                           mlp: gate [Dv, F], up [Dv, F], down [F, Dv];
+                layers[i]: attn: q_proj [Dv, H, hd], k_proj [Dv, K, hd], v_proj [Dv, K, hd],
+                                 o_proj [H, hd, Dv], q_norm [hd], k_norm [hd];
+                           mlp: gate_proj [Dv, F], up_proj [Dv, F], down_proj [F, Dv];
                            input_norm, post_attn_norm, pre_ffw_norm, post_ffw_norm [Dv];
                            with use_clipped_linears, beside each linear W its bounds
                            W_clip: input_min, input_max, output_min, output_max [];
@@ -37,8 +37,10 @@ from diffgemma.model import initializers, layers
 from diffgemma.model.config import ModelConfig, VisionConfig
 
 # The linears of a vision layer: {submodule: names}.
-ATTENTION_LINEARS = ("q", "k", "v", "o")
-MLP_LINEARS = ("gate", "up", "down")
+# Named as transformers names them (`q_proj`, ...), not as the text layers' (`q`, ...), so that
+# the default LoRA and quantization targets (`attn\.(q|k|v|o)$`, ...) leave the tower alone.
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 LAYER_NORMS = ("input_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm")
 CLIP_SUFFIX = "_clip"
 
@@ -194,28 +196,29 @@ class VisionAttention(_ClippedLinears):
   def setup(self):
     v, dt = self.cfg.vision, self.cfg.param_dtype
     d, h, kv, hd = v.hidden_size, v.num_attention_heads, v.num_key_value_heads, v.head_dim
-    self.q = self.linear_weight("q", (d, h, hd))
-    self.k = self.linear_weight("k", (d, kv, hd))
-    self.v = self.linear_weight("v", (d, kv, hd))
-    self.o = self.linear_weight("o", (h, hd, d))
+    self.q_proj = self.linear_weight("q_proj", (d, h, hd))
+    self.k_proj = self.linear_weight("k_proj", (d, kv, hd))
+    self.v_proj = self.linear_weight("v_proj", (d, kv, hd))
+    self.o_proj = self.linear_weight("o_proj", (h, hd, d))
     self.q_norm = self.weight("q_norm", initializers.ones_init(), (hd,), dt)
     self.k_norm = self.weight("k_norm", initializers.ones_init(), (hd,), dt)
-    self.q_clip, self.k_clip, self.v_clip, self.o_clip = (self.clip_bounds() for _ in range(4))
+    self.q_proj_clip, self.k_proj_clip, self.v_proj_clip, self.o_proj_clip = (
+        self.clip_bounds() for _ in range(4))
 
   def __call__(self, x_NxPxD, position_ids_NxPx2, valid_NxP):
     """Attention output [N, P, Dv] for inputs x [N, P, Dv]; valid [N, P] marks real patches."""
     v = self.cfg.vision
     n, p, _ = x_NxPxD.shape
     inv_freq = axial_inv_freq(v)
-    q = layers.rms_norm(self.linear(x_NxPxD, "q"), self.q_norm, v.rms_norm_eps)
-    k = layers.rms_norm(self.linear(x_NxPxD, "k"), self.k_norm, v.rms_norm_eps)
-    values = layers.rms_norm(self.linear(x_NxPxD, "v"), None, v.rms_norm_eps)
+    q = layers.rms_norm(self.linear(x_NxPxD, "q_proj"), self.q_norm, v.rms_norm_eps)
+    k = layers.rms_norm(self.linear(x_NxPxD, "k_proj"), self.k_norm, v.rms_norm_eps)
+    values = layers.rms_norm(self.linear(x_NxPxD, "v_proj"), None, v.rms_norm_eps)
     q = apply_axial_rope(q, position_ids_NxPx2, inv_freq)
     k = apply_axial_rope(k, position_ids_NxPx2, inv_freq)
     chex.assert_shape(q, (n, p, v.num_attention_heads, v.head_dim))
     chex.assert_shape([k, values], (n, p, v.num_key_value_heads, v.head_dim))
     mask_NxPxP = jnp.broadcast_to(valid_NxP[:, None, :], (n, p, p))
-    return self.linear(layers.attend(q, k, values, mask_NxPxP), "o", num_in_axes=2)
+    return self.linear(layers.attend(q, k, values, mask_NxPxP), "o_proj", num_in_axes=2)
 
 
 class VisionMLP(_ClippedLinears):
@@ -226,14 +229,16 @@ class VisionMLP(_ClippedLinears):
   def setup(self):
     v = self.cfg.vision
     d, f = v.hidden_size, v.intermediate_size
-    self.gate = self.linear_weight("gate", (d, f))
-    self.up = self.linear_weight("up", (d, f))
-    self.down = self.linear_weight("down", (f, d))
-    self.gate_clip, self.up_clip, self.down_clip = (self.clip_bounds() for _ in range(3))
+    self.gate_proj = self.linear_weight("gate_proj", (d, f))
+    self.up_proj = self.linear_weight("up_proj", (d, f))
+    self.down_proj = self.linear_weight("down_proj", (f, d))
+    self.gate_proj_clip, self.up_proj_clip, self.down_proj_clip = (
+        self.clip_bounds() for _ in range(3))
 
   def __call__(self, x_NxPxD):
-    hidden = layers.gelu_tanh(self.linear(x_NxPxD, "gate")) * self.linear(x_NxPxD, "up")
-    return self.linear(hidden, "down")
+    hidden = (layers.gelu_tanh(self.linear(x_NxPxD, "gate_proj"))
+              * self.linear(x_NxPxD, "up_proj"))
+    return self.linear(hidden, "down_proj")
 
 
 class VisionLayer(layers.Module):
