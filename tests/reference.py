@@ -27,15 +27,24 @@ TINY_VISION = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2,
 TINY_IMAGE_TOKENS = dict(image_token_id=60, boi_token_id=61, eoi_token_id=62)
 
 
+# transformers' DiffusionGemma always has a vision tower (vision_config=None builds the default
+# 768-wide, 16-layer one): text-only tests get this smallest one, which takes no image (its
+# image token ids stay transformers' defaults, outside TINY_TEXT's vocabulary).
+MINIMAL_VISION = dict(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, head_dim=8, patch_size=2,
+                      position_embedding_size=4)
+
+
 def tiny_reference(seed: int, canvas_length: int = 8, vision: dict | None = None,
                    **text_overrides):
   """A random tiny reference model in float32 with every weight perturbed away from its init
   (norm weights, router scales and layer scalars included), so parity checks see them all.
-  `vision`: a vision_config dict (e.g. TINY_VISION) for a model with a vision tower, whose
-  buffers (clip bounds, standardization) are perturbed too."""
+  `vision`: a vision_config dict (e.g. TINY_VISION) for a model that reads images, whose
+  buffers (clip bounds, standardization) are perturbed too; None: MINIMAL_VISION."""
   torch.manual_seed(seed)
   extra = {} if vision is None else TINY_IMAGE_TOKENS
-  config = DiffusionGemmaConfig(text_config={**TINY_TEXT, **text_overrides}, vision_config=vision,
+  config = DiffusionGemmaConfig(text_config={**TINY_TEXT, **text_overrides},
+                                vision_config=vision or MINIMAL_VISION,
                                 canvas_length=canvas_length, **extra)
   config._attn_implementation = "eager"
   model = DiffusionGemmaForBlockDiffusion(config).eval().float()
@@ -116,14 +125,27 @@ class ReferenceSession:
     self.length = 0
 
   @torch.no_grad()
-  def encode(self, tokens_BxT):
+  def encode(self, tokens_BxT, pixel_values=None, image_position_ids=None):
+    """Encoder logits of new tokens; with images (the processor's arrays), their placeholders
+    are filled, and under use_bidirectional_attention="vision" the masks are the ones
+    `generate` prepares from the placeholders' mm_token_type_ids (the encoder's forward alone
+    drops that mask and stays causal)."""
     tokens = torch.as_tensor(np.asarray(tokens_BxT), dtype=torch.long)
     t = tokens.shape[1]
     if self.length > 0:
       self.mask = torch.cat([self.mask, torch.ones(tokens.shape[0], t, dtype=torch.bool)], 1)
     positions = torch.arange(self.length, self.length + t)[None]
-    out = self.model.model.encoder(input_ids=tokens, attention_mask=self.mask, cache=self.cache,
-                                   position_ids=positions)
+    mask = self.mask
+    kwargs = {}
+    if pixel_values is not None:
+      kwargs = dict(pixel_values=torch.as_tensor(np.asarray(pixel_values)),
+                    image_position_ids=torch.as_tensor(np.asarray(image_position_ids)))
+      mask = self.model.model.encoder.create_masks_for_generate(
+          config=self.model.config, inputs_embeds=torch.empty(tokens.shape[0], t, 0),
+          attention_mask=self.mask, cache=self.cache, position_ids=positions,
+          mm_token_type_ids=(tokens == self.model.config.image_token_id).long())
+    out = self.model.model.encoder(input_ids=tokens, attention_mask=mask, cache=self.cache,
+                                   position_ids=positions, **kwargs)
     self.length += t
     return softcap(self.model.lm_head(out.last_hidden_state)).numpy()
 

@@ -140,11 +140,11 @@ def test_gemma4_import_loads_every_backbone_tensor(tmp_path):
   # Every text tensor of the checkpoint went somewhere (strict mode raises otherwise), and
   # each backbone leaf equals its source tensor.
   state = reference.state_dict_numpy(ref)
-  for path_keys, name, layout, is_backbone in hf_weights.tensor_table(cfg):
+  for path_keys, name, layout, group in hf_weights.tensor_table(cfg):
     leaf = params
     for k in path_keys:
       leaf = leaf[k]
-    if is_backbone:
+    if group == hf_weights.BACKBONE:
       np.testing.assert_array_equal(layout.to_hf(np.asarray(leaf)),
                                     state["model.language_model." + name])
   expected_sc = transformer.init_self_conditioning(cfg, jax.random.PRNGKey(9))

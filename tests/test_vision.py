@@ -1,61 +1,63 @@
-"""The vision tower and the multimodal embedder against transformers' (float32, max abs < 1e-4)."""
+"""The vision tower, the multimodal embedder and image prompts against transformers'
+DiffusionGemmaForBlockDiffusion with a vision tower (float32, max abs < 1e-4)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from diffgemma.io import hf_weights
-from diffgemma.model import vision
+from diffgemma.model import attention_mask, transformer, vision
 from tests import reference
 
 TOL = 1e-4
-# (width, height) in patches: a full 4x4 image and a 2x6 one padded to 16 patches.
+# (width, height) in patches: a full 4x4 image (4 soft tokens) and a 2x6 one padded to 16
+# patches (3 soft tokens).
 GRIDS = [(4, 4), (2, 6)]
 MAX_PATCHES = 16
+# A sliding window shorter than an image's run of placeholders: inside the run, attention
+# reaches past the window when it is bidirectional.
+WINDOW = 3
 
 
-def _linen(tree):
-  """A params subtree whose "layers" lists become linen's layers_{i} submodules."""
-  if isinstance(tree, dict):
-    out = {}
-    for key, value in tree.items():
-      if key == "layers" and isinstance(value, list):
-        out.update({f"layers_{i}": _linen(layer) for i, layer in enumerate(value)})
-      else:
-        out[key] = _linen(value)
-    return out
-  return tree
-
-
-def _tiny():
-  ref = reference.tiny_reference(seed=11, vision=reference.TINY_VISION)
+def _model(bidirectional: bool = False, seed: int = 11):
+  """(reference, our config, our params) of a tiny model with a vision tower."""
+  overrides = dict(num_hidden_layers=3, sliding_window=WINDOW)
+  if bidirectional:
+    overrides["use_bidirectional_attention"] = "vision"
+  ref = reference.tiny_reference(seed=seed, vision=reference.TINY_VISION, **overrides)
   cfg = hf_weights.config_from_hf(ref.config.to_dict())
-  return ref, cfg
+  params = jax.tree_util.tree_map(jnp.asarray, hf_weights.params_from_hf(
+      reference.state_dict_numpy(ref), cfg))
+  return ref, cfg, params
 
 
-def _our_vision_params(ref, cfg):
-  """The vision subtrees of our params, mapped from the reference's state dict."""
-  state = reference.state_dict_numpy(ref)
-  tree = {"vision_tower": {"layers": [{} for _ in range(cfg.vision.num_hidden_layers)]}}
-  for path, name, layout, group in hf_weights.tensor_table(cfg):
-    if group != hf_weights.VISION:
-      continue
-    w = state[hf_weights.VISION_PREFIX[hf_weights.DIFFUSION_GEMMA] + name]
-    node = tree
-    for key in path[:-1]:
-      node = node.setdefault(key, {}) if isinstance(node, dict) else node[key]
-    node[path[-1]] = jnp.asarray(layout.to_ours(w, _our_shape(layout, w)))
-  return tree
+def _images(cfg, grids, seed=0):
+  pixels, positions = reference.image_patches(np.random.default_rng(seed), grids, MAX_PATCHES,
+                                              cfg.vision.patch_dim)
+  return vision.Images(pixels, positions)
 
 
-def _our_shape(layout, w):
-  return None if layout is not hf_weights.HEADS_IN and layout is not hf_weights.HEADS_OUT else (
-      (w.shape[1], -1, 12) if layout is hf_weights.HEADS_IN else (-1, 12, w.shape[0]))
+def _prompt(cfg, rows, length, rng):
+  """Tokens [B, length] and valid [B, length]: each row is a list of segments, an int (that
+  many random text tokens) or ("image", n) (boi, n placeholders, eoi); rows are left-padded."""
+  tokens = np.full((len(rows), length), cfg.pad_token_id, np.int64)
+  valid = np.zeros((len(rows), length), bool)
+  for r, segments in enumerate(rows):
+    row = []
+    for seg in segments:
+      if isinstance(seg, int):
+        row += list(rng.integers(3, cfg.image_token_id - 1, seg))
+      else:
+        row += [cfg.boi_token_id] + [cfg.image_token_id] * seg[1] + [cfg.eoi_token_id]
+    tokens[r, length - len(row):] = row
+    valid[r, length - len(row):] = True
+  return tokens, valid
 
 
 def test_config_maps_both_ways():
-  ref, cfg = _tiny()
+  ref, cfg, _ = _model()
   assert cfg.vision == hf_weights.vision_config_from_hf(
       hf_weights.vision_config_to_hf(cfg.vision))
   assert cfg.vision.use_clipped_linears and cfg.vision.standardize
@@ -64,25 +66,89 @@ def test_config_maps_both_ways():
 
 
 def test_tower_and_embedder_match_reference():
-  ref, cfg = _tiny()
-  params = _our_vision_params(ref, cfg)
-  pixels, positions = reference.image_patches(np.random.default_rng(0), GRIDS, MAX_PATCHES,
-                                              cfg.vision.patch_dim)
+  ref, cfg, params = _model()
+  images = _images(cfg, GRIDS)
   with torch.no_grad():
     theirs = ref.model.encoder.get_image_features(
-        torch.as_tensor(pixels), torch.as_tensor(positions)).pooler_output.numpy()
+        torch.as_tensor(images.pixel_values),
+        torch.as_tensor(images.position_ids)).pooler_output.numpy()
 
   @jax.jit
-  def ours(params, pixels, positions):
-    soft, valid = vision.VisionTower(cfg).apply({"params": _linen(params["vision_tower"])},
-                                                pixels, positions)
-    return vision.MultimodalEmbedder(cfg).apply({"params": params["embed_vision"]}, soft), valid
+  def ours(params, images):
+    variables = transformer.to_variables(params)["params"]
+    soft, valid = vision.VisionTower(cfg).apply({"params": variables["vision_tower"]},
+                                                *images)
+    return vision.MultimodalEmbedder(cfg).apply({"params": variables["embed_vision"]},
+                                                soft), valid
 
-  features, valid = ours(params, jnp.asarray(pixels), jnp.asarray(positions))
-  features, valid = np.asarray(features), np.asarray(valid)
-  # transformers drops the padding image's empty soft tokens: 4 + 3 of 2 x 4.
-  expected_counts = vision.soft_token_counts(positions, cfg.vision.pooling_kernel_size)
-  np.testing.assert_array_equal(valid.sum(1), expected_counts)
-  np.testing.assert_array_equal(expected_counts, [4, 3])
+  features, valid = map(np.asarray, ours(params, images))
+  # transformers drops the padded image's empty soft tokens: 4 + 3 of 2 x 4.
+  counts = vision.soft_token_counts(images.position_ids, cfg.vision.pooling_kernel_size)
+  np.testing.assert_array_equal(counts, [4, 3])
+  np.testing.assert_array_equal(valid.sum(1), counts)
   assert theirs.shape == (7, cfg.hidden_size)
   np.testing.assert_array_less(np.abs(features[valid] - theirs).max(), TOL)
+
+
+def test_image_blocks_are_runs_of_placeholders():
+  is_image = np.array([[0, 1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 0, 0, 1]], bool)
+  np.testing.assert_array_equal(attention_mask.image_blocks(jnp.asarray(is_image)),
+                                [[-1, 0, 0, -1, -1, 1, -1], [0, 0, 0, 0, -1, -1, 1]])
+
+
+# (name, rows of prompt segments, image grids in placeholder order): one image; then two
+# images in one row and a third in a left-padded second row (soft tokens fill placeholders
+# row-major across the batch).
+PROMPTS = [
+    ("one_image", [[2, ("image", 4), 3]], GRIDS[:1]),
+    ("images_in_two_rows", [[1, ("image", 4), 2, ("image", 3), 2], [2, ("image", 3), 1]],
+     GRIDS + GRIDS[1:]),
+]
+PROMPT_LEN = 17
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("name,rows,grids", PROMPTS, ids=[p[0] for p in PROMPTS])
+def test_image_prompt_logits_match_reference(name, rows, grids, bidirectional):
+  """Encoder logits of an image + text prompt, then decoder logits of a canvas after it (the
+  decoder reads the images through the cache)."""
+  ref, cfg, params = _model(bidirectional, seed=len(name))
+  rng = np.random.default_rng(1)
+  tokens, valid = _prompt(cfg, rows, PROMPT_LEN, rng)
+  # The images' order is the placeholders' (row-major); their soft tokens fill the runs.
+  images = _images(cfg, grids)
+  vision.check_image_tokens(tokens, images, cfg)
+  canvas = rng.integers(0, cfg.vocab_size, (len(rows), cfg.canvas_length))
+
+  @jax.jit
+  def ours(params, tokens, valid, images, canvas):
+    cache = transformer.init_cache(cfg, tokens.shape[0], tokens.shape[1] + cfg.canvas_length)
+    hidden, filled = transformer.encode(params, cfg, tokens, cache, valid, images)
+    # Without the images, the placeholders stay token embeddings.
+    plain, _ = transformer.encode(params, cfg, tokens, cache, valid)
+    return (transformer.lm_head(params, hidden, cfg),
+            transformer.decode(params, cfg, canvas, filled),
+            transformer.lm_head(params, plain, cfg))
+
+  enc, dec, plain = map(np.asarray, ours(params, tokens, valid, images, canvas))
+  session = reference.ReferenceSession(ref, valid)
+  theirs_enc = session.encode(tokens, images.pixel_values, images.position_ids)
+  theirs_dec = session.decode(canvas)
+  np.testing.assert_array_less(np.abs(enc - theirs_enc)[valid].max(), TOL)
+  np.testing.assert_array_less(np.abs(dec - theirs_dec).max(), TOL)
+  assert np.abs(plain - enc)[valid].max() > 1e-2  # the images matter
+
+
+def test_bidirectional_attention_reaches_inside_each_image_only():
+  """With "vision", an image's first placeholder sees its last (past the window of 3), never
+  the next image's; text stays causal."""
+  _, cfg, _ = _model(bidirectional=True)
+  tokens, valid = _prompt(cfg, [[1, ("image", 4), ("image", 3), 1]], PROMPT_LEN,
+                          np.random.default_rng(0))
+  blocks = attention_mask.image_blocks(jnp.asarray((tokens == cfg.image_token_id) & valid))
+  pos = jnp.arange(PROMPT_LEN)[None]
+  mask = np.asarray(attention_mask.attention_mask(pos, pos, pos, jnp.asarray(valid), WINDOW,
+                                                  blocks, blocks))[0]
+  first = int(np.argmax(tokens[0] == cfg.image_token_id))
+  assert mask[first, first + 3] and not mask[first, first + 4 + 2]
+  assert not mask[first - 1, first] and not mask[first, first + 4]

@@ -83,30 +83,37 @@ def apply_rope(x_BxTxHxd, positions_BxT, inv_freq):
 
 class MaskSpec(NamedTuple):
   """The ingredients of `mask_lib.attention_mask` for one layer type (window None = full
-  attention)."""
+  attention; block ids None = no image attends bidirectionally)."""
   q_anchor_BxT: jnp.ndarray
   q_limit_BxT: jnp.ndarray
   kv_pos_BxS: jnp.ndarray
   kv_valid_BxS: jnp.ndarray
   window: int | None
+  q_block_BxT: jnp.ndarray | None = None
+  kv_block_BxS: jnp.ndarray | None = None
 
 
-def layer_mask_specs(cfg: ModelConfig, q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS):
+def layer_mask_specs(cfg: ModelConfig, q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS,
+                     q_block_BxT=None, kv_block_BxS=None):
   """{layer type: (MaskSpec, materialised [B,T,S] mask or None)}; the XLA path builds each
-  mask once per layer type, the Pallas kernel builds it block by block itself."""
+  mask once per layer type, the Pallas kernel builds it block by block itself. With image block
+  ids (`mask_lib.image_blocks`; an encoder pass over an image prompt with
+  use_bidirectional_attention="vision") the mask is materialised and attended by XLA whatever
+  the attention_impl: the kernel knows no blocks, and a prompt is encoded once."""
   specs = {}
   for lt in dict.fromkeys(cfg.layer_types):  # not set(): hash order varies by process
     spec = MaskSpec(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS,
-                    cfg.sliding_window if lt == SLIDING else None)
-    mask = None if cfg.attention_impl == "pallas" else mask_lib.attention_mask(*spec)
-    specs[lt] = (spec, mask)
+                    cfg.sliding_window if lt == SLIDING else None, q_block_BxT, kv_block_BxS)
+    kernel_builds_it = cfg.attention_impl == "pallas" and q_block_BxT is None
+    specs[lt] = (spec, None if kernel_builds_it else mask_lib.attention_mask(*spec))
   return specs
 
 
 def attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, spec_and_mask, cfg: ModelConfig):
-  """Attention by `cfg.attention_impl`: the XLA reference or the Pallas canvas kernel."""
+  """Attention by `cfg.attention_impl`: the XLA reference or the Pallas canvas kernel (which
+  builds the mask itself: `layer_mask_specs` left it None)."""
   spec, mask_BxTxS = spec_and_mask
-  if cfg.attention_impl == "pallas":
+  if mask_BxTxS is None:
     return attention_kernel.canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, *spec[:4],
                                              spec.window)
   return attend(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, mask_BxTxS)

@@ -55,7 +55,7 @@ class LoraConfig:
 
   targets: regular expressions searched in each weight's dotted path; the default covers every
     linear of the language model (the report's "all linear operations"), not the vision tower's
-    (`vision_tower.layers.0.attn.q_proj`, ...: add e.g. r"^vision_tower\..*_proj$" to adapt
+    (`vision_tower.layers.0.attn.q_proj`, ...: add e.g. r"^vision_tower[.].*_proj$" to adapt
     them).
   init: "kaiming_uniform" (A ~ U(+-1/sqrt(fan_in)), as PEFT) or "gaussian" (A ~ N(0, 1/rank));
     B starts at zero either way, so training starts from the base model exactly.

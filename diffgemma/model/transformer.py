@@ -10,6 +10,9 @@ One set of weights, two entry points:
     prefix; it reads the cache and never writes it. Only the decoder has the self-conditioning
     block.
 `lm_head` turns hidden states into float32 soft-capped logits with the tied embedding.
+With a vision tower (cfg.vision), `encode` also takes images (`vision.Images`): their soft tokens
+replace the prompt's image placeholder tokens before the first layer, and the decoder reads them
+through the cache as it reads text.
 
 Parameter layout (linear weights are [in, out]):
   embedding [V, D], final_norm [D],
@@ -20,7 +23,8 @@ Parameter layout (linear weights are [in, out]):
                    take values from k), o [H, hd, D], q_norm [hd], k_norm [hd];
              mlp: gate [D, F], up [D, F], down [F, D];
              router: proj [D, E], scale [D], per_expert_scale [E];
-             experts: gate_up [E, D, 2I], down [E, I, D].
+             experts: gate_up [E, D, 2I], down [E, I, D];
+  with cfg.vision: vision_tower and embed_vision (diffgemma/model/vision.py).
 Shape suffixes: B batch, T new tokens, S cache slots, C canvas, D hidden, H heads, K kv heads,
 V vocab, E experts, N tokens (flattened), M token-expert assignments.
 """
@@ -36,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffgemma.model import sharding
+from diffgemma.model import attention_mask as mask_lib
+from diffgemma.model import sharding, vision
 from diffgemma.model.config import FULL, SLIDING, ModelConfig
 from diffgemma.model.initializers import (draw_keys, layer_draw_offsets, normal_init, num_draws,
                                           ones_init)
@@ -109,18 +114,25 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
 # ----------------------------------------------------------------------------- entry points
 
 
-def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT=None):
+def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT=None,
+           images: vision.Images | None = None):
   """Causal pass over T new tokens written at cache slots [end, end+T).
 
   Args:
     tokens_BxT: int tokens; `valid_BxT` marks real tokens (False = padding, never attended).
     cache: from `init_cache` or a previous `encode`; positions are cache slot indices.
+    images: the images of these tokens (a model with a vision tower): pixel values and patch
+      positions as transformers' Gemma 4 image processor makes them, one row per image in
+      the order their placeholders (cfg.image_token_id) appear, row-major over [B, T]; the
+      placeholders must number the images' soft tokens (`vision.check_image_tokens`).
+  With cfg.use_bidirectional_attention == "vision", each run of placeholders attends
+  bidirectionally within itself (images given or not).
   Returns:
     (hidden_BxTxD after the final norm, updated cache with end += T).
   A thin wrapper: `Model.encode` is the network.
   """
-  return Model(cfg).apply(to_variables(params), tokens_BxT, cache, valid_BxT,
-                                  method=Model.encode)
+  return Model(cfg).apply(to_variables(params), tokens_BxT, cache, valid_BxT, images,
+                          method=Model.encode)
 
 
 def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_len_B=None,
@@ -178,18 +190,20 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
   "Active" counts what one token's forward pass touches: the embedding (tied with the LM head),
   every attention, dense-MLP, router and norm weight, and top_k of num_experts experts per layer.
-  The self-conditioning block is decoder-only and reported separately; `total` and `active`
-  exclude it, as the backbone counts of Gemma 4 do.
+  The self-conditioning block is decoder-only and the vision tower (with its embedder) reads
+  only images; both are reported separately, and `total` and `active` exclude them, as the
+  backbone counts of Gemma 4 do.
   """
   shapes = abstract_params(cfg)
   size = lambda tree: int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
   self_cond = size(shapes["self_conditioning"])
-  backbone = size(shapes) - self_cond
+  vision_size = size([shapes.get(k, {}) for k in VISION_SUBTREES])
+  backbone = size(shapes) - self_cond - vision_size
   experts = sum(size(layer["experts"]) for layer in shapes["layers"])
   active_experts = experts * cfg.top_k_experts // cfg.num_experts
   return {"total": backbone, "active": backbone - experts + active_experts,
           "embedding": size(shapes["embedding"]), "experts": experts,
-          "self_conditioning": self_cond}
+          "self_conditioning": self_cond, "vision": vision_size}
 
 
 def count_params(params: Params) -> int:
@@ -213,9 +227,11 @@ def count_params(params: Params) -> int:
 #     │   ├── RMSNorm x 7         input_norm, post_attn_norm, pre_ffw_norm, post_ffw_norm,
 #     │   │                       post_ffw_norm_1, pre_ffw_norm_2, post_ffw_norm_2 [D] (shared scope)
 #     │   └── layer_scalar []
-#     └── self_conditioning: SelfConditioning
-#         ├── RMSNorm pre_norm [D]          (shared scope)
-#         └── MLP gate, up, down            (shared scope)
+#     ├── self_conditioning: SelfConditioning
+#     │   ├── RMSNorm pre_norm [D]          (shared scope)
+#     │   └── MLP gate, up, down            (shared scope)
+#     ├── vision_tower: vision.VisionTower  (cfg.vision only; its layers are layers_{i} too)
+#     └── embed_vision: vision.MultimodalEmbedder
 #
 # The modules own the parameters and call pure functions for the math (`rms_norm`,
 # `project_qkv`, `attention` in layers.py, `route`, `moe` in moe.py, ...), so XLA sees the program
@@ -224,7 +240,8 @@ def count_params(params: Params) -> int:
 #
 # The one difference between the linen `params` collection and `Params` (the tree every
 # checkpoint, the HF converter, LoRA, QLoRA, sharding and the memory plans use) is the layers:
-# a Python list `params["layers"]` there, submodules `layers_0`, `layers_1`, ... here.
+# a Python list `params["layers"]` (and `params["vision_tower"]["layers"]`) there, submodules
+# `layers_0`, `layers_1`, ... here.
 # `to_variables` and `from_variables` map one to the other (no array is touched); `encode`,
 # `decode` and `init_params` call them, so nothing outside this file sees linen's names.
 
@@ -334,6 +351,9 @@ class Model(Module):
     self.norms = rms_norms(("final_norm",), cfg.hidden_size, cfg)
     share_scopes(self, self.norms)
     self.self_conditioning = SelfConditioning(cfg, std, offsets[-1] + 1)
+    if cfg.vision is not None:
+      self.vision_tower = vision.VisionTower(cfg)
+      self.embed_vision = vision.MultimodalEmbedder(cfg)
 
   def declare(self):
     """Creates every parameter without running the network: `Model(cfg).init(rng,
@@ -343,6 +363,20 @@ class Model(Module):
     self.embedder.declare()
     self.norms["final_norm"].declare()
     self.self_conditioning.declare()
+    if self.cfg.vision is not None:
+      self.vision_tower.declare()
+      self.embed_vision.declare()
+
+  def embed_images(self, tokens_BxT, h_BxTxD, images: vision.Images):
+    """The token embeddings with the images' soft tokens over their placeholders."""
+    if self.cfg.vision is None:
+      raise ValueError("images given to a model without a vision tower (model.vision is None)")
+    with jax.named_scope("vision"):
+      soft_NxLxDv, valid_NxL = self.vision_tower(images.pixel_values, images.position_ids)
+      features_NxLxD = self.embed_vision(soft_NxLxDv)
+      h = vision.scatter_image_features(h_BxTxD, tokens_BxT, features_NxLxD, valid_NxL,
+                                        self.cfg.image_token_id)
+    return sharding.constrain(h, sharding.HIDDEN)
 
   def lm_head(self, h_BxTxD):
     return self.embedder.decode(h_BxTxD)
@@ -373,8 +407,9 @@ class Model(Module):
       fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     return fn(h_BxTxD, layer_params)
 
-  def encode(self, tokens_BxT, cache, valid_BxT=None):
-    """`transformer.encode`: causal pass over T new tokens written at cache slots [end, end+T)."""
+  def encode(self, tokens_BxT, cache, valid_BxT=None, images: vision.Images | None = None):
+    """`transformer.encode`: causal pass over T new tokens written at cache slots [end, end+T)
+    (images: over their placeholders)."""
     cfg = self.cfg
     chex.assert_rank(tokens_BxT, 2)
     chex.assert_type(tokens_BxT, int)
@@ -388,9 +423,20 @@ class Model(Module):
     kv_valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (0, start))
     num_slots = kv_valid_BxS.shape[1]
     kv_pos_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
-    masks = layer_mask_specs(cfg, positions_BxT, positions_BxT, kv_pos_BxS, kv_valid_BxS)
+    blocks = ()
+    if cfg.use_bidirectional_attention == "vision":
+      # Image runs of these tokens; cached slots belong to no block (a prompt's images are
+      # encoded in the pass that holds them).
+      q_block_BxT = mask_lib.image_blocks((tokens_BxT == cfg.image_token_id) & valid_BxT)
+      kv_block_BxS = jax.lax.dynamic_update_slice(jnp.full((b, num_slots), -1, jnp.int32),
+                                                  q_block_BxT, (0, start))
+      blocks = (q_block_BxT, kv_block_BxS)
+    masks = layer_mask_specs(cfg, positions_BxT, positions_BxT, kv_pos_BxS, kv_valid_BxS,
+                             *blocks)
 
     h = self.embedder.encode(tokens_BxT)
+    if images is not None:
+      h = self.embed_images(tokens_BxT, h, images)
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
       layer_cache = cache["layers"][i]
@@ -462,21 +508,37 @@ class Model(Module):
 # ----------------------------------------------------------------------------- the params tree
 
 
+# Subtrees of the vision tower and its embedder (absent from a text-only model's params).
+VISION_SUBTREES = ("vision_tower", "embed_vision")
+
+
 def to_variables(params: Params) -> dict:
-  """`transformer.Params` -> linen variables: params["layers"][i] becomes params["layers_{i}"]."""
-  tree = {k: v for k, v in params.items() if k != "layers"}
-  tree.update({f"layers_{i}": layer for i, layer in enumerate(params.get("layers", ()))})
-  return {"params": tree}
+  """`transformer.Params` -> linen variables: params["layers"][i] becomes params["layers_{i}"]
+  (and so in the vision tower's subtree)."""
+  return {"params": _linen_layers(params)}
+
+
+def _linen_layers(tree: dict) -> dict:
+  out = {k: v for k, v in tree.items() if k != "layers"}
+  out.update({f"layers_{i}": layer for i, layer in enumerate(tree.get("layers", ()))})
+  if "vision_tower" in out:
+    out["vision_tower"] = _linen_layers(out["vision_tower"])
+  return out
 
 
 def from_variables(variables) -> Params:
   """Linen variables (or their "params" collection) -> `transformer.Params` (the inverse; the
   partitioning metadata is dropped)."""
-  tree = dict(nn.unbox(variables.get("params", variables)))
+  return _listed_layers(dict(nn.unbox(variables.get("params", variables))))
+
+
+def _listed_layers(tree: dict) -> dict:
   layer_keys = sorted((k for k in tree if k.startswith("layers_")), key=lambda k: int(k[7:]))
-  params = {k: v for k, v in tree.items() if not k.startswith("layers_")}
-  params["layers"] = [tree[k] for k in layer_keys]
-  return params
+  out = {k: v for k, v in tree.items() if not k.startswith("layers_")}
+  out["layers"] = [tree[k] for k in layer_keys]
+  if "vision_tower" in out:
+    out["vision_tower"] = _listed_layers(dict(out["vision_tower"]))
+  return out
 
 
 def init_variables(cfg: ModelConfig, rng, std: float | None = None, boxed: bool = False):

@@ -28,11 +28,14 @@ Dv vision hidden, B batch, T tokens, D text hidden.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffgemma import errors
 from diffgemma.model import initializers, layers
 from diffgemma.model.config import ModelConfig, VisionConfig
 
@@ -43,6 +46,42 @@ ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 LAYER_NORMS = ("input_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm")
 CLIP_SUFFIX = "_clip"
+
+
+class Images(NamedTuple):
+  """A prompt batch's images, one row each, in the order their placeholders appear (row-major
+  over the token batch): what transformers' Gemma 4 image processor returns as
+  `pixel_values` and `image_position_ids`. A pytree: jit and device_put take it whole."""
+  pixel_values: jnp.ndarray  # [N, P, 3 * patch_size**2] float, pixels in [0, 1]
+  position_ids: jnp.ndarray  # [N, P, 2] int, (x, y) per patch, (-1, -1) on padding
+
+
+class ImageTokenError(errors.InputError):
+  """A prompt's image placeholders do not match its images' soft tokens. One-line message."""
+
+
+def check_image_tokens(tokens_BxT, images: Images | None, cfg: ModelConfig) -> None:
+  """ImageTokenError (one line) unless the placeholders of concrete (host) tokens number the
+  images' soft tokens, and images come only with a vision tower; what `encode` relies on and
+  cannot check under jit."""
+  placeholders = int(np.sum(np.asarray(tokens_BxT) == cfg.image_token_id))
+  if images is None:
+    if placeholders and cfg.vision is not None:
+      raise ImageTokenError(f"the prompt holds {placeholders} image placeholder tokens "
+                            f"(id {cfg.image_token_id}) but no images were given")
+    return
+  if cfg.vision is None:
+    raise ImageTokenError("images given to a model without a vision tower (its config.json "
+                          "has no vision_config); use a checkpoint that has one")
+  if cfg.image_token_id >= cfg.vocab_size:
+    raise ImageTokenError(f"the model's image_token_id {cfg.image_token_id} lies outside its "
+                          f"vocabulary of {cfg.vocab_size}: it cannot take images")
+  soft = int(soft_token_counts(images.position_ids, cfg.vision.pooling_kernel_size).sum())
+  if placeholders != soft:
+    raise ImageTokenError(
+        f"the prompt holds {placeholders} image placeholder tokens (id {cfg.image_token_id}) "
+        f"but its {len(np.asarray(images.position_ids))} images make {soft} soft tokens; "
+        "write the prompt with the image processor's placeholders")
 
 
 # ----------------------------------------------------------------------------- the math
@@ -101,7 +140,7 @@ def scatter_image_features(embeds_BxTxD, tokens_BxT, features_NxLxD, valid_NxL,
   placeholder of the batch (row-major over [B, T]) takes the k-th valid soft token (row-major
   over [N, L]). The counts must agree (the processor writes one placeholder per soft token);
   placeholders beyond the valid soft tokens would take zeros, so callers check the counts
-  (`count_image_tokens`) where the inputs are concrete."""
+  (`check_image_tokens`) where the inputs are concrete."""
   b, t, d = embeds_BxTxD.shape
   chex.assert_equal_shape_prefix([features_NxLxD, valid_NxL], 2)
   chex.assert_axis_dimension(features_NxLxD, -1, d)
