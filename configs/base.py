@@ -70,6 +70,8 @@ def get_config():
 
   c.grad_accum_steps = 1  # split each batch into this many micro-batches (same result, less memory)
   c.freeze_router = False  # NeMo's SFT default is True: no router updates (LoRA: no router adapter)
+  # A model with a vision tower (from --init_from): full fine-tuning leaves it unchanged.
+  c.freeze_vision = True
 
   # LoRA (diffgemma.model.lora.LoraConfig): off here; see configs/sft_sudoku_lora*.py.
   c.lora = section(LoraConfig())

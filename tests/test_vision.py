@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from transformers import DiffusionGemmaForBlockDiffusion
 
-from diffgemma.io import hf_weights
+from diffgemma.io import hf_weights, model_dirs, safetensors_dir
 from diffgemma.model import attention_mask, transformer, vision
 from tests import reference
 
@@ -152,3 +153,88 @@ def test_bidirectional_attention_reaches_inside_each_image_only():
   first = int(np.argmax(tokens[0] == cfg.image_token_id))
   assert mask[first, first + 3] and not mask[first, first + 4 + 2]
   assert not mask[first - 1, first] and not mask[first, first + 4]
+
+
+# ----------------------------------------------------------------------------- weights
+
+SHARD = "20KB"  # small shards, so the tiny checkpoints exercise the sharded index
+
+
+def _assert_same_tensors(first_dir, second_dir, names=None):
+  """Every tensor (or those of `names`) of two checkpoint directories: same names, dtypes,
+  shapes and bytes."""
+  first, second = safetensors_dir.SafetensorsDir(first_dir), safetensors_dir.SafetensorsDir(
+      second_dir)
+  if names is None:
+    assert sorted(first) == sorted(second)
+    names = list(first)
+  for name in names:
+    a, b = np.asarray(first[name]), np.asarray(second[name])
+    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vision_checkpoint_round_trips_bit_exact(tmp_path, dtype):
+  """transformers' directory -> our params -> orbax -> transformers' directory: every tensor,
+  the vision tower's buffers included, bit for bit; the config.json's vision_config loads."""
+  ref = reference.tiny_reference(seed=5, vision=reference.TINY_VISION)
+  source = str(tmp_path / "hf")
+  ref.to(getattr(torch, dtype)).save_pretrained(source, max_shard_size=SHARD)
+  cfg, params = model_dirs.load_model(source, log=lambda _: None)
+  assert cfg.vision == hf_weights.config_from_hf(ref.config.to_dict()).vision
+  model_dirs.save_orbax(cfg, params, str(tmp_path / "orbax"))
+  cfg2, params2 = model_dirs.load_model(str(tmp_path / "orbax"))
+  assert cfg2 == cfg
+  back = str(tmp_path / "back")
+  model_dirs.save_hf(cfg2, params2, back, max_shard_bytes=30_000)
+  _assert_same_tensors(source, back)
+  theirs = DiffusionGemmaForBlockDiffusion.from_pretrained(back, dtype=getattr(torch, dtype))
+  bookkeeping = {"transformers_version": None, "dtype": None}
+  assert theirs.config.vision_config.to_dict() | bookkeeping == (
+      ref.config.vision_config.to_dict() | bookkeeping)
+  assert theirs.config.image_token_id == ref.config.image_token_id
+
+
+def _vision_sudoku_checkpoint(path: str, config) -> str:
+  """A float32 transformers checkpoint of the tiny Sudoku model with a vision tower (random,
+  clip bounds and standardization away from their init), for runs to start from."""
+  from diffgemma.training import run_config
+
+  vision_cfg = hf_weights.vision_config_from_hf(reference.TINY_VISION)
+  cfg = run_config.build(config).model.replace(vision=vision_cfg, param_dtype="float32")
+  params = transformer.init_params(cfg, jax.random.PRNGKey(4))
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: x + 0.5 * jax.random.normal(jax.random.PRNGKey(len(p)), x.shape, x.dtype),
+      params)
+  model_dirs.save_hf(cfg, params, path)
+  return path
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+def test_text_only_runs_export_the_vision_tower_unchanged(tmp_path, use_lora):
+  """A run on text from a checkpoint with a vision tower (full fine-tuning: the tower frozen;
+  LoRA: adapters on the language model only, merged at export) exports a transformers
+  checkpoint whose vision tensors are the source's, bit for bit, and whose text weights moved."""
+  from diffgemma.training import loop, training_state
+  from tests.helpers import tiny_sudoku_config
+
+  config = tiny_sudoku_config(workdir_steps=2)
+  config.optimizer.weight_decay = 0.1  # would shrink an unfrozen tower even with no gradient
+  if use_lora:
+    config.lora.update(enabled=True, base_dtype="float32")
+  source = _vision_sudoku_checkpoint(str(tmp_path / "source"), config)
+  training_state.adopt_checkpoint_architecture(config, source)
+  assert config.model.vision.hidden_size == reference.TINY_VISION["hidden_size"]
+  workdir = str(tmp_path / "run")
+  loop.train(config, workdir, init_from=source)
+  cfg, params = model_dirs.load_model(workdir)
+  exported = str(tmp_path / "export")
+  model_dirs.save_hf(cfg, params, exported)
+  vision_names = [n for n in safetensors_dir.SafetensorsDir(source)
+                  if n.startswith(hf_weights.VISION_PREFIX[hf_weights.DIFFUSION_GEMMA] + "v")
+                  or ".embed_vision." in n]
+  assert len(vision_names) > 30
+  _assert_same_tensors(source, exported, vision_names)
+  moved = "model.decoder.layers.0.mlp.gate_proj.weight"
+  assert not np.array_equal(np.asarray(safetensors_dir.SafetensorsDir(source)[moved]),
+                            np.asarray(safetensors_dir.SafetensorsDir(exported)[moved]))

@@ -9,6 +9,7 @@ tower's follow `Gemma4VisionConfig`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from diffgemma.model import fields
@@ -37,6 +38,20 @@ VISION_POSITIVE_INTS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "pooling_kernel_size", "patch_size",
     "position_embedding_size")
+
+
+# A clippable linear W's bounds are the leaves W_clip.{input_min, ...} (see vision.py), each
+# unbounded (+-inf) at init.
+CLIP_SUFFIX = "_clip"
+CLIP_BOUNDS = {"input_min": -math.inf, "input_max": math.inf, "output_min": -math.inf,
+               "output_max": math.inf}
+
+
+def is_clip_bound(path: tuple) -> bool:
+  """Whether the leaf at this key path is a clippable linear's bound, for which +-inf is a
+  legitimate value (unbounded) rather than a diverged weight."""
+  return (len(path) >= 2 and path[-1] in CLIP_BOUNDS
+          and str(path[-2]).endswith(CLIP_SUFFIX))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ import numpy as np
 
 from diffgemma import errors
 from diffgemma.model import initializers, layers
-from diffgemma.model.config import ModelConfig, VisionConfig
+from diffgemma.model.config import CLIP_BOUNDS, CLIP_SUFFIX, ModelConfig, VisionConfig
 
 # The linears of a vision layer: {submodule: names}.
 # Named as transformers names them (`q_proj`, ...), not as the text layers' (`q`, ...), so that
@@ -45,7 +45,6 @@ from diffgemma.model.config import ModelConfig, VisionConfig
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 LAYER_NORMS = ("input_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm")
-CLIP_SUFFIX = "_clip"
 
 
 class Images(NamedTuple):
@@ -185,10 +184,6 @@ def _constant(value: float):
     del key
     return jnp.full(shape, value, dtype)
   return init
-
-
-CLIP_BOUNDS = {"input_min": -np.inf, "input_max": np.inf, "output_min": -np.inf,
-               "output_max": np.inf}
 
 
 class ClipBounds(layers.Module):

@@ -37,6 +37,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from diffgemma import errors
+from diffgemma.model.config import is_clip_bound
 from diffgemma.runs import distributed
 
 DAMAGED_DIR = "damaged_checkpoints"
@@ -205,16 +206,23 @@ def latest_step(workdir: str) -> int | None:
 
 @jax.jit
 def _finite_flags(tree):
-  """bool per floating leaf: all of its values are finite. One fused reduction pass."""
-  leaves = [x for x in jax.tree_util.tree_leaves(tree)
+  """bool per floating leaf: all of its values are finite (a vision tower's clip bounds: not
+  NaN; +-inf leaves a linear unclipped). One fused reduction pass."""
+  leaves = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
   if not leaves:
     return jnp.ones((0,), bool)
-  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+  return jnp.stack([jnp.all(~jnp.isnan(x)) if is_clip_bound(_keys(p))
+                    else jnp.all(jnp.isfinite(x)) for p, x in leaves])
+
+
+def _keys(path) -> tuple:
+  return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
 
 
 def non_finite_leaves(tree) -> list[str]:
-  """Paths of the floating leaves of `tree` that hold a NaN or an inf (one host sync)."""
+  """Paths of the floating leaves of `tree` that hold a NaN or an inf (one host sync; +-inf
+  is a clip bound's legitimate value)."""
   flags = jax.device_get(_finite_flags(tree))
   if flags.all():
     return []

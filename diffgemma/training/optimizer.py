@@ -20,6 +20,9 @@ NAMES = ("adamw", "adafactor")
 SCHEDULES = ("cosine", "constant")
 STATE_DTYPES = ("float32", "bfloat16")
 ROUTER_LEAVES = ("router.proj", "router.scale", "router.per_expert_scale")
+# The vision tower and its embedder (a model with cfg.vision): frozen unless train.freeze_vision
+# is False.
+VISION_SUBTREES = ("vision_tower.", "embed_vision.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,19 +155,26 @@ def _base(cfg: OptimizerConfig, schedule) -> optax.GradientTransformation:
   return tx if cfg.state_dtype == "float32" else cast_state(tx, cfg.state_dtype)
 
 
-def make(cfg: OptimizerConfig, num_steps: int, frozen_router: bool = False, lengths=()):
+def make(cfg: OptimizerConfig, num_steps: int, frozen_router: bool = False, lengths=(),
+         frozen_vision: bool = False):
   """(optax transformation over the trained tree, learning-rate schedule).
 
   `lengths`: a fitted schedule's re-fitted lengths (`learning_rate_schedule`).
 
   Global-norm clipping, then the optimizer. With `frozen_router` (NeMo's SFT default, full
-  fine-tuning only) the router's leaves get no updates and no optimizer state.
+  fine-tuning only) the router's leaves get no updates and no optimizer state; so the vision
+  tower's and its embedder's with `frozen_vision` (a model that has them: their weights leave
+  the run exactly as they came, with no weight decay).
   """
   schedule = learning_rate_schedule(cfg, num_steps, lengths)
   tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), _base(cfg, schedule))
-  if frozen_router:
+  if frozen_router or frozen_vision:
+    def frozen(name: str) -> bool:
+      return ((frozen_router and name.endswith(ROUTER_LEAVES))
+              or (frozen_vision and name.startswith(VISION_SUBTREES)))
+
     def labels(params):
       return jax.tree_util.tree_map_with_path(
-          lambda p, _: "frozen" if lora.dotted(p).endswith(ROUTER_LEAVES) else "trained", params)
+          lambda p, _: "frozen" if frozen(lora.dotted(p)) else "trained", params)
     tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
   return tx, schedule

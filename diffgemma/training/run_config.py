@@ -52,6 +52,9 @@ class TrainConfig:
   keep_checkpoints: int = 2
   checkpoint_timeout_s: float = checkpointing.DEFAULT_TIMEOUT_S
   freeze_router: bool = False
+  # A model with a vision tower: full fine-tuning leaves it and its embedder unchanged (LoRA
+  # adapts them only where lora.targets name them).
+  freeze_vision: bool = True
   on_nonfinite: str = "stop"
   max_nonfinite_skips: int = 10
   device_memory_gib: float = 80.0

@@ -64,9 +64,12 @@ class Setup:
 
 def make_setup(run: run_config.RunConfig, mesh=None) -> Setup:
   train_cfg, lora_cfg = run.train, run.lora
-  tx, schedule = optimizer.make(run.optimizer, train_cfg.num_train_steps,
-                                frozen_router=train_cfg.freeze_router and not lora_cfg.enabled,
-                                lengths=budget.schedule_lengths(train_cfg.fitted_schedule))
+  full = not lora_cfg.enabled  # a LoRA run trains adapters only: its base is frozen anyway
+  tx, schedule = optimizer.make(
+      run.optimizer, train_cfg.num_train_steps,
+      frozen_router=train_cfg.freeze_router and full,
+      lengths=budget.schedule_lengths(train_cfg.fitted_schedule),
+      frozen_vision=train_cfg.freeze_vision and full and run.model.vision is not None)
   mesh = mesh or sharding.make_mesh(run.sharding)
   return Setup(run, mesh, run.sharding.rules, tx, schedule)
 
@@ -85,6 +88,8 @@ def adopt_architecture(config: ml_collections.ConfigDict, arch: ModelConfig) -> 
         continue
       new = getattr(arch, field.name)
       new = list(new) if isinstance(new, tuple) else new
+      if dataclasses.is_dataclass(new):  # the vision tower's section
+        new = dataclasses.asdict(new)
       old = config.model.get(field.name)
       if (list(old) if isinstance(old, tuple) else old) != new:
         changes.append(f"{field.name}: {old} -> {new}")
