@@ -523,7 +523,7 @@ def test_generate_bookkeeping_with_scripted_decoder(params, patch_model):
                         jnp.broadcast_to(0.01 * jnp.arange(v, dtype=jnp.float32), (c, v))])
     return logits
 
-  def fake_encode(params, cfg, tokens, cache, valid=None):
+  def fake_encode(params, cfg, tokens, cache, valid=None, images=None):
     hidden = jnp.zeros(tokens.shape + (cfg.hidden_size,))
     return hidden, {**cache, "end": cache["end"] + tokens.shape[1]}
 

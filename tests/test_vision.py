@@ -10,6 +10,7 @@ from transformers import DiffusionGemmaForBlockDiffusion
 
 from diffgemma.io import hf_weights, model_dirs, safetensors_dir
 from diffgemma.model import attention_mask, transformer, vision
+from diffgemma.sampling import sampler
 from tests import reference
 
 TOL = 1e-4
@@ -238,3 +239,86 @@ def test_text_only_runs_export_the_vision_tower_unchanged(tmp_path, use_lora):
   moved = "model.decoder.layers.0.mlp.gate_proj.weight"
   assert not np.array_equal(np.asarray(safetensors_dir.SafetensorsDir(source)[moved]),
                             np.asarray(safetensors_dir.SafetensorsDir(exported)[moved]))
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@pytest.fixture(scope="module")
+def image_prompt():
+  """(cfg, params, tokens, valid, images) of the tiny vision model: two rows, three images."""
+  _, cfg, params = _model(seed=3)
+  rows, grids = PROMPTS[1][1], PROMPTS[1][2]
+  tokens, valid = _prompt(cfg, rows, PROMPT_LEN, np.random.default_rng(2))
+  return cfg, params, tokens.astype(np.int32), valid, _images(cfg, grids)
+
+
+def test_generate_with_images_is_encode_then_denoise(image_prompt):
+  """Diffusion: generate's first canvas is a manual encode of the image prompt, then
+  `denoise_canvas` and `finalize_canvas` on that cache."""
+  cfg, params, tokens, valid, images = image_prompt
+  scfg = sampler.SamplerConfig(max_denoising_steps=3, max_new_tokens=cfg.canvas_length)
+  rng = jax.random.PRNGKey(5)
+  out = sampler.make_generate_fn(cfg, scfg)(params, tokens, valid, rng, images=images)
+
+  @jax.jit
+  def manual(params, tokens, valid, images):
+    cache = transformer.init_cache(cfg, tokens.shape[0], tokens.shape[1] + cfg.canvas_length)
+    _, cache = transformer.encode(params, cfg, tokens, cache, valid, images)
+    canvas, _ = sampler.denoise_canvas(params, cfg, scfg, cache, jax.random.fold_in(rng, 0))
+    return sampler.finalize_canvas(canvas, jnp.zeros(tokens.shape[0], bool), True, cfg,
+                                   sampler.stop_ids(cfg, scfg))[0]
+
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(manual(params, tokens, valid,
+                                                                          images)))
+
+
+def test_ar_mode_fallback_and_infill_read_the_images(image_prompt):
+  """AR mode = a manual loop of encode + argmax after the image prompt; the AR fallback decodes
+  a canvas exactly as AR mode does; infilling keeps its prefix and suffix after an image."""
+  cfg, params, tokens, valid, images = image_prompt
+  c = cfg.canvas_length
+  ar = sampler.make_generate_fn(cfg, sampler.SamplerConfig(mode="ar", max_new_tokens=c))(
+      params, tokens, valid, jax.random.PRNGKey(0), images=images)
+
+  @jax.jit
+  def manual(params, tokens, valid, images):
+    cache = transformer.init_cache(cfg, tokens.shape[0], tokens.shape[1] + c)
+    hidden, cache = transformer.encode(params, cfg, tokens, cache, valid, images)
+
+    def step(carry, _):
+      hidden, cache = carry
+      token = jnp.argmax(transformer.lm_head(params, hidden[:, -1], cfg), -1).astype(jnp.int32)
+      return transformer.encode(params, cfg, token[:, None], cache), token
+
+    return jax.lax.scan(step, (hidden[:, -1:], cache), length=c)[1].T
+
+  expected = np.asarray(manual(params, tokens, valid, images))
+  got = np.asarray(ar.tokens)
+  for row in range(len(tokens)):  # up to and including a stop, then pads
+    stop = np.flatnonzero(expected[row] == cfg.eos_token_id)
+    n = stop[0] + 1 if stop.size else c
+    np.testing.assert_array_equal(got[row, :n], expected[row, :n])
+
+  fallback = sampler.make_generate_fn(cfg, sampler.SamplerConfig(
+      max_denoising_steps=1, max_new_tokens=c, ar_fallback="unconverged"))(
+          params, tokens, valid, jax.random.PRNGKey(0), images=images)
+  fell_back = np.asarray(fallback.canvas_ar)[:, 0]
+  assert fell_back.any()
+  np.testing.assert_array_equal(np.asarray(fallback.tokens)[fell_back], got[fell_back])
+
+  out = sampler.infill(params, cfg, sampler.SamplerConfig(max_denoising_steps=2, max_new_tokens=c),
+                       tokens, valid, [5, 6], [7], 3, images=images)
+  np.testing.assert_array_equal(np.asarray(out.tokens)[:, [0, 1, 5]], [[5, 6, 7]] * 2)
+
+
+def test_image_inputs_that_cannot_work_are_refused_in_one_line(image_prompt):
+  cfg, params, tokens, valid, images = image_prompt
+  fn = sampler.make_generate_fn(cfg, sampler.SamplerConfig(max_new_tokens=cfg.canvas_length))
+  with pytest.raises(vision.ImageTokenError, match="10 image placeholder tokens .* make 14 soft"):
+    fn(params, tokens, valid, jax.random.PRNGKey(0), images=_images(cfg, GRIDS + GRIDS))
+  text_only = cfg.replace(vision=None)
+  with pytest.raises(vision.ImageTokenError, match="without a vision tower"):
+    vision.check_image_tokens(tokens, images, text_only)
+  with pytest.raises(vision.ImageTokenError, match="no images were given"):
+    vision.check_image_tokens(tokens, None, cfg)

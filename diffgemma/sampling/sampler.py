@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffgemma.model import fields, transformer
+from diffgemma.model import fields, transformer, vision
 from diffgemma.model.config import ModelConfig
 
 DIFFUSION = "diffusion"
@@ -901,8 +901,8 @@ def _generate_ar(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, cac
 
 
 def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_BxP,
-             prompt_valid_BxP=None, rng=None, fixed_BxL=None, fixed_mask_BxL=None
-             ) -> GenerateOutput:
+             prompt_valid_BxP=None, rng=None, fixed_BxL=None, fixed_mask_BxL=None,
+             images: vision.Images | None = None) -> GenerateOutput:
   """Generate after a (left-padded) prompt; jittable with configs static (`make_generate_fn`).
 
   Allocates a cache of P + K*C slots (K = ceil(max_new_tokens / C)), encodes the prompt (pads
@@ -918,6 +918,8 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
   canvases from the start and are never re-noised; a stop id before a row's last fixed slot
   does not end the row. The tokens returned hold them unchanged; num_tokens (and so TPF) counts
   only the generated ones. None: no infilling (the program is today's).
+  Images (a model with a vision tower): the prompt's, as `transformer.encode` takes them; they
+  are encoded once with the prompt, and every mode reads them through the cache.
   """
   batch, prompt_len = prompt_BxP.shape
   if prompt_valid_BxP is None:
@@ -926,8 +928,8 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
     rng = jax.random.PRNGKey(0)
   max_len = prompt_len + num_canvases(model_cfg, sampler_cfg) * model_cfg.canvas_length
   cache = transformer.init_cache(model_cfg, batch, max_len)
-  hidden_BxPxD, cache = transformer.encode(params, model_cfg, prompt_BxP.astype(jnp.int32), cache,
-                                           prompt_valid_BxP.astype(bool))
+  hidden_BxPxD, cache = transformer.encode(params, model_cfg, prompt_BxP.astype(jnp.int32),
+                                           cache, prompt_valid_BxP.astype(bool), images)
   fixed = None
   if fixed_BxL is not None:
     if sampler_cfg.mode == AR:
@@ -944,14 +946,18 @@ def generate(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_
 
 
 def make_generate_fn(model_cfg: ModelConfig, sampler_cfg: SamplerConfig):
-  """`fn(params, prompt_BxP, prompt_valid_BxP, rng, fixed_BxL=None, fixed_mask_BxL=None) ->
-  GenerateOutput`, jitted for these configs (the fixed tokens: infilling, see `generate`)."""
+  """`fn(params, prompt_BxP, prompt_valid_BxP, rng, fixed_BxL=None, fixed_mask_BxL=None,
+  images=None) -> GenerateOutput`, jitted for these configs (the fixed tokens: infilling; images:
+  a vision model's prompt images; see `generate`). Given images, the prompt's placeholders are
+  checked against them first (`vision.check_image_tokens`, one line)."""
   jitted = jax.jit(generate, static_argnums=(1, 2))
 
   def generate_fn(params, prompt_BxP, prompt_valid_BxP, rng, fixed_BxL=None,
-                  fixed_mask_BxL=None):
+                  fixed_mask_BxL=None, images: vision.Images | None = None):
+    if images is not None:
+      vision.check_image_tokens(prompt_BxP, images, model_cfg)
     return jitted(params, model_cfg, sampler_cfg, prompt_BxP, prompt_valid_BxP, rng, fixed_BxL,
-                  fixed_mask_BxL)
+                  fixed_mask_BxL, images)
 
   return generate_fn
 
@@ -978,16 +984,16 @@ def infill_slots(prefix_ids, suffix_ids, middle_len: int, num_slots: int, pad_id
 
 
 def infill(params, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, prompt_BxP,
-           prompt_valid_BxP, prefix_ids, suffix_ids, middle_len: int, rng=None
-           ) -> GenerateOutput:
+           prompt_valid_BxP, prefix_ids, suffix_ids, middle_len: int, rng=None,
+           images: vision.Images | None = None) -> GenerateOutput:
   """Generate the middle between a prefix and a suffix (the same for every row) after each
-  prompt: `generate` with `infill_slots` fixed; jitted for these configs. The returned tokens
-  hold the prefix, the middle (`tokens[:, len(prefix):len(prefix) + middle_len]`), the
-  suffix unchanged, then whatever the reply ends with."""
+  prompt (and its images): `generate` with `infill_slots` fixed; jitted for these configs. The
+  returned tokens hold the prefix, the middle (`tokens[:, len(prefix):len(prefix) +
+  middle_len]`), the suffix unchanged, then whatever the reply ends with."""
   tokens_L, mask_L = infill_slots(prefix_ids, suffix_ids, middle_len,
                                   num_canvases(model_cfg, sampler_cfg) * model_cfg.canvas_length,
                                   model_cfg.pad_token_id)
   b = np.asarray(prompt_BxP).shape[0]
   fn = make_generate_fn(model_cfg, sampler_cfg)
   return fn(params, prompt_BxP, prompt_valid_BxP, jax.random.PRNGKey(0) if rng is None else rng,
-            np.repeat(tokens_L[None], b, 0), np.repeat(mask_L[None], b, 0))
+            np.repeat(tokens_L[None], b, 0), np.repeat(mask_L[None], b, 0), images)
