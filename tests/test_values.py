@@ -353,7 +353,7 @@ def scripted_model(monkeypatch):
     def decode(params, cfg, canvas, cache, *args):
       return decode_KxBxCxV[(cache["end"] - PROMPT_LEN) // C]
 
-    def encode(params, cfg, tokens, cache, valid=None):
+    def encode(params, cfg, tokens, cache, valid=None, images=None):
       slots = cache["end"] + jnp.arange(tokens.shape[1], dtype=jnp.float32)
       hidden = jnp.broadcast_to(slots[None, :, None], tokens.shape + (cfg.hidden_size,))
       return hidden, {**cache, "end": cache["end"] + tokens.shape[1]}
