@@ -51,13 +51,15 @@ def tiny_reference(seed: int, canvas_length: int = 8, vision: dict | None = None
   return _perturb(model, seed)
 
 
-def tiny_gemma4_reference(seed: int, **text_overrides):
-  """A random tiny Gemma 4 AR model (multimodal layout, text only) with DiffusionGemma's
-  backbone features: MoE block, k_eq_v on full layers, no per-layer inputs, soft-capped logits."""
+def tiny_gemma4_reference(seed: int, vision: dict | None = None, **text_overrides):
+  """A random tiny Gemma 4 AR model (multimodal layout; text only, or with a `vision` tower)
+  with DiffusionGemma's backbone features: MoE block, k_eq_v on full layers, no per-layer
+  inputs, soft-capped logits."""
   torch.manual_seed(seed)
   text = {**TINY_TEXT, "enable_moe_block": True, "attention_k_eq_v": True,
           "hidden_size_per_layer_input": 0, "final_logit_softcapping": SOFTCAP, **text_overrides}
-  config = Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+  extra = {} if vision is None else TINY_IMAGE_TOKENS
+  config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, **extra)
   config._attn_implementation = "eager"
   model = Gemma4ForConditionalGeneration(config).eval().float()
   return _perturb(model, seed)

@@ -196,6 +196,25 @@ def test_vision_checkpoint_round_trips_bit_exact(tmp_path, dtype):
   assert theirs.config.image_token_id == ref.config.image_token_id
 
 
+def test_gemma4_checkpoint_brings_its_vision_tower(tmp_path):
+  """A Gemma 4 AR checkpoint's tower (under model.vision_tower) imports too: its soft tokens
+  are transformers' Gemma 4's."""
+  ref = reference.tiny_gemma4_reference(seed=6, vision=reference.TINY_VISION)
+  path = str(tmp_path / "gemma4")
+  ref.save_pretrained(path)
+  cfg, params = model_dirs.load_model(path, canvas_length=8, log=lambda _: None)
+  assert cfg.vision == hf_weights.vision_config_from_hf(reference.TINY_VISION)
+  images = _images(cfg, GRIDS)
+  with torch.no_grad():
+    theirs = torch.cat(ref.model.get_image_features(
+        torch.as_tensor(images.pixel_values),
+        torch.as_tensor(images.position_ids)).pooler_output).numpy()
+  variables = transformer.to_variables(params)["params"]
+  soft, valid = vision.VisionTower(cfg).apply({"params": variables["vision_tower"]}, *images)
+  ours = vision.MultimodalEmbedder(cfg).apply({"params": variables["embed_vision"]}, soft)
+  np.testing.assert_array_less(np.abs(np.asarray(ours)[np.asarray(valid)] - theirs).max(), TOL)
+
+
 def _vision_sudoku_checkpoint(path: str, config) -> str:
   """A float32 transformers checkpoint of the tiny Sudoku model with a vision tower (random,
   clip bounds and standardization away from their init), for runs to start from."""
