@@ -54,8 +54,10 @@ def main(argv):
   cfg, params = model_dirs.load_model(source, dtype=_DTYPE.value,
                                          rng=jax.random.PRNGKey(_SEED.value), **overrides)
   counts = transformer.param_counts(cfg)
+  tower = (f", and a vision tower of {counts['vision'] / 1e9:.3f}B" if cfg.vision is not None
+           else "")
   print(f"loaded {source} ({kind}): {counts['total'] / 1e9:.3f}B parameters, "
-        f"{counts['active'] / 1e9:.3f}B active per token, {cfg.param_dtype}")
+        f"{counts['active'] / 1e9:.3f}B active per token{tower}, {cfg.param_dtype}")
   if out_format == "hf":
     files = model_dirs.save_hf(cfg, params, dest, max_shard_bytes=int(_SHARD_GB.value * 2**30),
                                   companions_from=source)

@@ -9,7 +9,8 @@ import torch
 from transformers import DiffusionGemmaForBlockDiffusion
 
 from diffgemma.io import hf_weights, model_dirs, safetensors_dir
-from diffgemma.model import attention_mask, transformer, vision
+from diffgemma.model import attention_mask, layers, transformer, vision
+from diffgemma.model.config import SLIDING
 from diffgemma.sampling import sampler
 from tests import reference
 
@@ -154,6 +155,12 @@ def test_bidirectional_attention_reaches_inside_each_image_only():
   first = int(np.argmax(tokens[0] == cfg.image_token_id))
   assert mask[first, first + 3] and not mask[first, first + 4 + 2]
   assert not mask[first - 1, first] and not mask[first, first + 4]
+  # The Pallas kernel knows no blocks: such a pass gets the materialised mask (XLA attention).
+  pallas = cfg.replace(attention_impl="pallas")
+  args = (pos, pos, pos, jnp.asarray(valid))
+  assert all(m is None for _, m in layers.layer_mask_specs(pallas, *args).values())
+  specs = layers.layer_mask_specs(pallas, *args, blocks, blocks)
+  np.testing.assert_array_equal(specs[SLIDING][1][0], mask)
 
 
 # ----------------------------------------------------------------------------- weights

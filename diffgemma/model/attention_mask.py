@@ -26,13 +26,13 @@ def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_
   bidirectionally inside each image (use_bidirectional_attention="vision"), on every layer, as
   transformers' DiffusionGemma masks do (causal-or-block, then the window's cut, then padding).
   """
-  visible = kv_pos_BxS[:, None, :] <= q_limit_BxT[:, :, None]
+  visible = kv_valid_BxS[:, None, :] & (kv_pos_BxS[:, None, :] <= q_limit_BxT[:, :, None])
   if sliding_window is not None:
     visible &= kv_pos_BxS[:, None, :] > q_anchor_BxT[:, :, None] - sliding_window
   if q_block_BxT is not None:
     same_block = q_block_BxT[:, :, None] == kv_block_BxS[:, None, :]
-    visible |= same_block & (q_block_BxT[:, :, None] >= 0)
-  return kv_valid_BxS[:, None, :] & visible
+    visible |= same_block & (q_block_BxT[:, :, None] >= 0) & kv_valid_BxS[:, None, :]
+  return visible
 
 
 def image_blocks(is_image_BxT):
