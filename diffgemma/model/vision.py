@@ -39,8 +39,7 @@ from diffgemma import errors
 from diffgemma.model import initializers, layers
 from diffgemma.model.config import CLIP_BOUNDS, CLIP_SUFFIX, ModelConfig, VisionConfig
 
-# The linears of a vision layer: {submodule: names}.
-# Named as transformers names them (`q_proj`, ...), not as the text layers' (`q`, ...), so that
+# The linears of a vision layer's attention and MLP, named as transformers names them (`q_proj`, ...), not as the text layers' (`q`, ...), so that
 # the default LoRA and quantization targets (`attn\.(q|k|v|o)$`, ...) leave the tower alone.
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -56,7 +55,8 @@ class Images(NamedTuple):
 
 
 class ImageTokenError(errors.InputError):
-  """A prompt's image placeholders do not match its images' soft tokens. One-line message."""
+  """A prompt's images cannot go in: its placeholders do not match the images' soft tokens, or
+  the model has no vision tower. One-line message."""
 
 
 def check_image_tokens(tokens_BxT, images: Images | None, cfg: ModelConfig) -> None:
@@ -108,7 +108,7 @@ def apply_axial_rope(x_NxPxHxd, position_ids_NxPx2, inv_freq):
   (transformers' `apply_multidimensional_rope` with rotate-half inside each half)."""
   half = x_NxPxHxd.shape[-1] // 2
   parts = [layers.apply_rope(x_NxPxHxd[..., i * half:(i + 1) * half],
-                              position_ids_NxPx2[..., i], inv_freq) for i in range(2)]
+                             position_ids_NxPx2[..., i], inv_freq) for i in range(2)]
   return jnp.concatenate(parts, axis=-1)
 
 
