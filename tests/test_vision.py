@@ -91,6 +91,12 @@ def test_tower_and_embedder_match_reference():
   np.testing.assert_array_equal(valid.sum(1), counts)
   assert theirs.shape == (7, cfg.hidden_size)
   np.testing.assert_array_less(np.abs(features[valid] - theirs).max(), TOL)
+  # An empty image slot (all padding, as a batch's unused slots) makes no soft token.
+  empty = vision.Images(np.zeros_like(images.pixel_values[:1]),
+                        np.full_like(images.position_ids[:1], -1))
+  _, valid = ours(params, empty)
+  assert not np.asarray(valid).any()
+  assert vision.soft_token_counts(empty.position_ids, cfg.vision.pooling_kernel_size) == [0]
 
 
 def test_image_blocks_are_runs_of_placeholders():
@@ -133,7 +139,11 @@ def test_image_prompt_logits_match_reference(name, rows, grids, bidirectional):
             transformer.decode(params, cfg, canvas, filled),
             transformer.lm_head(params, plain, cfg))
 
-  enc, dec, plain = map(np.asarray, ours(params, tokens, valid, images, canvas))
+  # Ours in a batch's layout: a slot per row and image, unused slots all padding (row 1 has one
+  # image of two slots); transformers gets the images alone.
+  slots = vision.Images(*(np.concatenate([x, np.full_like(x[:1], fill)])
+                          for x, fill in zip(images, (0, -1))))
+  enc, dec, plain = map(np.asarray, ours(params, tokens, valid, slots, canvas))
   session = reference.ReferenceSession(ref, valid)
   theirs_enc = session.encode(tokens, images.pixel_values, images.position_ids)
   theirs_dec = session.decode(canvas)

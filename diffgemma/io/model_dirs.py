@@ -36,10 +36,10 @@ from diffgemma.runs import checkpointing
 CONFIG_FILE = "config.json"
 ORBAX_PARAMS_DIR = "params"
 ORBAX_FORMAT = "diffgemma-orbax-v1"
-# Tokenizer and generation files travel with the weights on conversion.
+# Tokenizer, generation and image processor files travel with the weights on conversion.
 COMPANION_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+                   "generation_config.json", "processor_config.json", "preprocessor_config.json")
 HF, ORBAX, WORKDIR = "hf", "orbax", "workdir"
 
 

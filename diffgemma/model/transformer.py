@@ -123,8 +123,9 @@ def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT
     cache: from `init_cache` or a previous `encode`; positions are cache slot indices.
     images: the images of these tokens (a model with a vision tower): pixel values and patch
       positions as transformers' Gemma 4 image processor makes them, one row per image in
-      the order their placeholders (cfg.image_token_id) appear, row-major over [B, T]; the
-      placeholders must number the images' soft tokens (`vision.check_image_tokens`).
+      the order their placeholders (cfg.image_token_id) appear, row-major over [B, T] (rows
+      of all padding, unused slots, add nothing); the placeholders must number the images'
+      soft tokens (`vision.check_image_tokens`).
   With cfg.use_bidirectional_attention == "vision", each run of placeholders attends
   bidirectionally within itself (images given or not).
   Returns:

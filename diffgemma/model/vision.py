@@ -49,7 +49,9 @@ LAYER_NORMS = ("input_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm")
 class Images(NamedTuple):
   """A prompt batch's images, one row each, in the order their placeholders appear (row-major
   over the token batch): what transformers' Gemma 4 image processor returns as
-  `pixel_values` and `image_position_ids`. A pytree: jit and device_put take it whole."""
+  `pixel_values` and `image_position_ids`. Rows of all padding (a batch's unused image slots,
+  e.g. [B, I, ...] reshaped to [B * I, ...]) add nothing. A pytree: jit and device_put take it
+  whole."""
   pixel_values: jnp.ndarray  # [N, P, 3 * patch_size**2] float, pixels in [0, 1]
   position_ids: jnp.ndarray  # [N, P, 2] int, (x, y) per patch, (-1, -1) on padding
 
@@ -121,16 +123,24 @@ def patch_position_embedding(table_2xSxD, position_ids_NxPx2, padding_NxP):
 
 def pool_by_position(h_NxPxD, position_ids_NxPx2, kernel: int, length: int):
   """Average over kernel x kernel patches by their positions: (soft tokens [N, L, Dv] float32,
-  valid [N, L] bool). Patch (x, y) goes to soft token x // k + (width // k) * (y // k), with
-  width the image's widest x + 1; padding patches (hidden zeroed by the caller) add nothing."""
-  clamped = jnp.maximum(position_ids_NxPx2, 0)
-  width_Nx1 = jnp.max(clamped[..., 0], axis=-1, keepdims=True) + 1
-  cell = clamped // kernel
-  index_NxP = cell[..., 0] + (width_Nx1 // kernel) * cell[..., 1]
+  valid [N, L] bool). Patch (x, y) goes to soft token `soft_token_index`; padding patches
+  (hidden zeroed by the caller) add nothing. A soft token is valid when a real patch went to it
+  (transformers counts padding patches too, which land on token 0, always real in an image;
+  an empty image slot, all padding, so gets no soft token here)."""
+  index_NxP = soft_token_index(position_ids_NxPx2, kernel)
   weights_NxPxL = jax.nn.one_hot(index_NxP, length, dtype=jnp.float32) / kernel ** 2
   pooled = jnp.einsum("npl,npd->nld", weights_NxPxL, h_NxPxD.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
-  return pooled, jnp.any(weights_NxPxL != 0, axis=1)
+  real_NxP = ~jnp.all(position_ids_NxPx2 == -1, axis=-1)
+  return pooled, jnp.any((weights_NxPxL != 0) & real_NxP[..., None], axis=1)
+
+
+def soft_token_index(position_ids_NxPx2, kernel: int, xp=jnp):
+  """Each patch's soft token [N, P]: x // k + (width // k) * (y // k), width the image's widest
+  x + 1 (padding patches count as (0, 0)); `xp` numpy for the host."""
+  clamped = xp.maximum(position_ids_NxPx2, 0)
+  width_Nx1 = xp.max(clamped[..., 0], axis=-1, keepdims=True) + 1
+  return clamped[..., 0] // kernel + (width_Nx1 // kernel) * (clamped[..., 1] // kernel)
 
 
 def scatter_image_features(embeds_BxTxD, tokens_BxT, features_NxLxD, valid_NxL,
@@ -160,12 +170,12 @@ def soft_token_counts(position_ids_NxPx2, pooling_kernel_size: int):
   """Soft tokens per image [N], on the host: the pooling cells its patches fill, which is what
   `VisionTower` keeps of its L outputs (as `pool_by_position` assigns them) and what the
   processor writes placeholders for."""
-  pos = np.maximum(np.asarray(position_ids_NxPx2), 0)
-  k = pooling_kernel_size
-  width_Nx1 = pos[..., 0].max(axis=-1, keepdims=True) + 1
-  index_NxP = pos[..., 0] // k + (width_Nx1 // k) * (pos[..., 1] // k)
-  length = pos.shape[1] // k ** 2
-  return np.asarray([len(np.unique(row[row < length])) for row in index_NxP], np.int64)
+  pos = np.asarray(position_ids_NxPx2)
+  index_NxP = soft_token_index(pos, pooling_kernel_size, xp=np)
+  real_NxP = ~np.all(pos == -1, axis=-1)
+  length = pos.shape[1] // pooling_kernel_size ** 2
+  return np.asarray([len(np.unique(index[real & (index < length)]))
+                     for index, real in zip(index_NxP, real_NxP)], np.int64)
 
 
 # ----------------------------------------------------------------------------- modules
