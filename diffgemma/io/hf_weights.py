@@ -251,7 +251,7 @@ def vision_config_to_hf(vision: VisionConfig) -> dict[str, Any]:
   """transformers' `Gemma4VisionConfig` dict for our VisionConfig."""
   out = {"model_type": "gemma4_vision"}
   out.update({f.name: getattr(vision, f.name) for f in dataclasses.fields(VisionConfig)
-              if f.name != "rope_theta"})
+              if f.name != "rope_theta" and getattr(vision, f.name) is not None})
   out.update({"rope_parameters": {"rope_type": VISION_ROPE_TYPE, "rope_theta": vision.rope_theta},
               "hidden_activation": HF_ACTIVATION, "attention_bias": False,
               "attention_dropout": 0.0, "max_position_embeddings": HF_MAX_POSITION_EMBEDDINGS})

@@ -80,10 +80,14 @@ class VisionConfig:
   use_clipped_linears: bool = False
   standardize: bool = False
   initializer_range: float = 0.02
+  # The image processor's soft-token budget per image, where a checkpoint's vision_config
+  # carries it (Gemma 4's do); the tower does not read it.
+  default_output_length: int | None = None
 
   def __post_init__(self):
     fields.check_types(self, "model.vision.")
-    for name in VISION_POSITIVE_INTS:
+    for name in VISION_POSITIVE_INTS + ("default_output_length",) * (
+        self.default_output_length is not None):
       if getattr(self, name) < 1:
         raise ValueError(f"model.vision.{name} must be >= 1, got {getattr(self, name)}")
     for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
