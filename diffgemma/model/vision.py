@@ -39,8 +39,9 @@ from diffgemma import errors
 from diffgemma.model import initializers, layers
 from diffgemma.model.config import CLIP_BOUNDS, CLIP_SUFFIX, ModelConfig, VisionConfig
 
-# The linears of a vision layer's attention and MLP, named as transformers names them (`q_proj`, ...), not as the text layers' (`q`, ...), so that
-# the default LoRA and quantization targets (`attn\.(q|k|v|o)$`, ...) leave the tower alone.
+# The linears of a vision layer's attention and MLP, named as transformers names them
+# (`q_proj`, ...), not as the text layers' (`q`, ...), so that the default LoRA and
+# quantization targets (`attn\.(q|k|v|o)$`, ...) leave the tower alone.
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 LAYER_NORMS = ("input_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm")
