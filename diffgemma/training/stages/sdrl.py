@@ -537,7 +537,7 @@ class SdrlStage:
   def loss_fn(self, params, batch, rng):
     return sdrl_loss(params, self.setup.model_cfg, self.cfg, self.setup.loss_cfg,
                      batch["states"], rng, self._reference, batch.get("anchor"),
-                     self.task.layout)
+                     self.task.packing or self.task.layout)
 
   def is_boundary(self, step: int) -> bool:
     return step % self.cfg.updates_per_rollout == 0
@@ -638,8 +638,6 @@ class SdrlStage:
         params, prompt, valid, out, weights, key, token_weights)
     shapes = {"states": states}
     if self.cfg.anchor == "sft":
-      shape = (self.cfg.anchor_batch_size, self.task.layout.seq_len)
-      shapes["anchor"] = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
-                          "valid": jax.ShapeDtypeStruct(shape, jnp.bool_),
-                          "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
+      shapes["anchor"] = losses.sft_batch_shapes(self.task.packing or self.task.layout,
+                                                 self.cfg.anchor_batch_size)
     return shapes

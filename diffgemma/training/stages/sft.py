@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -14,7 +13,8 @@ from diffgemma.training import losses
 
 
 class SftStage:
-  """Supervised fine-tuning: the task's batches and `losses.sft_loss` on its layout."""
+  """Supervised fine-tuning: the task's batches and `losses.sft_loss` on its layout, or on its
+  packed rows when the task packs (`Task.packing`; a batch is then B rows)."""
 
   name = "sft"
   update_stream = None
@@ -30,7 +30,7 @@ class SftStage:
     self.task, self.setup = task, setup
     self.batch_size = setup.train_cfg.batch_size
     self.num_steps = setup.train_cfg.num_train_steps
-    self.layout = task.layout
+    self.layout = task.packing or task.layout
     self._batches = None
 
   def loss_fn(self, params, batch, rng):
@@ -38,10 +38,7 @@ class SftStage:
                            batch, rng)
 
   def batch_shapes(self):
-    shape = (self.batch_size, self.layout.seq_len)
-    return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
-            "valid": jax.ShapeDtypeStruct(shape, jnp.bool_),
-            "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
+    return losses.sft_batch_shapes(self.layout, self.batch_size)
 
   def start(self, state, frozen, start_step: int, workdir: str):
     del state, frozen
