@@ -545,6 +545,18 @@ class SdrlStage:
   def tokens_per_batch(self):
     return None
 
+  def batch_counts(self, step, batch):
+    """A rollout's rows (its sampled replies), counted at the update that samples it: their
+    valid prompt tokens and the reply slots they were sampled into (the SFT anchor's batches
+    are not counted)."""
+    states = batch["states"]
+    if step % self.cfg.updates_per_rollout:
+      return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    rows = states["prompt_valid_BxP"].shape[0]
+    return (jnp.asarray(rows, jnp.int32),
+            jnp.sum(states["prompt_valid_BxP"], dtype=jnp.int32)
+            + rows * self.rollout_cfg.max_new_tokens)
+
   @staticmethod
   def progress_fields(metrics):
     return {"r": f"{metrics['rollout/reward_mean']:.2f}±{metrics['rollout/reward_std']:.2f}",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from diffgemma.runs import guard
 from diffgemma.training.training_state import Setup
-from diffgemma.tasks.base import Task
+from diffgemma.tasks.base import PackedLayout, Task
 from diffgemma.training import losses
 
 
@@ -61,6 +62,16 @@ class SftStage:
 
   def tokens_per_batch(self) -> int:
     return self.batch_size * self.layout.seq_len
+
+  def batch_counts(self, step, batch):
+    """The batch's examples (rows holding a valid token; packed: the rows' examples) and its
+    valid tokens (prompt and canvases, padding left out)."""
+    del step
+    if isinstance(self.layout, PackedLayout):
+      examples = jnp.sum(batch["num_canvases"] > 0, dtype=jnp.int32)
+    else:
+      examples = jnp.sum(jnp.any(batch["valid"], axis=1), dtype=jnp.int32)
+    return examples, jnp.sum(batch["valid"], dtype=jnp.int32)
 
   @staticmethod
   def progress_fields(metrics):
