@@ -5,6 +5,7 @@ row is one line. The objective on packed rows (losses.packed_sft_loss) equals th
 batch's, loss and gradients."""
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +95,8 @@ def test_an_example_longer_than_a_row_names_its_line(tmp_path):
 def test_packing_needs_the_examples_per_row(tmp_path):
   path = write_jsonl(tmp_path / "d.jsonl", [chat("q", "a")])
   with pytest.raises(ValueError, match="set data.max_row_examples"):
-    make_task(make_config(path, prompt_len=24, num_canvases=1, max_row_tokens=64))
+    make_task(make_config(path, prompt_len=24, num_canvases=1, max_row_tokens=64,
+                          max_row_examples=0))
 
 
 def test_example_slots_drop_the_padding():
@@ -221,6 +223,21 @@ def test_packed_loss_equals_the_unpacked_batch_on_every_canvas_per_example():
   (loss, metrics), (packed_loss, packed_metrics) = packed_and_unpacked(loss_cfg, False)
   assert_same_metrics(packed_metrics, metrics)
   np.testing.assert_allclose(packed_loss, loss, rtol=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_packed_loss_through_the_pallas_kernel_equals_the_xla_path():
+  """attention_impl="pallas" (interpret mode here) takes the segment ids through the model: the
+  packed loss equals the XLA path's (two model compiles, one in interpret mode: slow tier)."""
+  loss_cfg = losses.LossConfig(self_conditioning_prob=0.5, encoder_weight=1.0)
+  (layout, batch), (packed_layout, packed_batch) = objective_batches()
+  params = transformer.init_params(MODEL, jax.random.PRNGKey(0), std=0.3)
+  draws = packed_draws(losses.sample_draws(jax.random.PRNGKey(1), MODEL, loss_cfg, layout,
+                                           batch), loss_cfg)
+  loss_fn = jax.jit(losses.sft_loss, static_argnums=(1, 2, 3))
+  xla, pallas = (loss_fn(params, model, loss_cfg, packed_layout, packed_batch, None, draws)[1]
+                 for model in (MODEL, dataclasses.replace(MODEL, attention_impl="pallas")))
+  assert_same_metrics(pallas, xla)
 
 
 def brute_force_encoder_mask(segment_R, position_R, window):
