@@ -23,6 +23,9 @@ from configs import sft_chat
 
 def get_config(variant: str = "count"):
   c = sft_chat.get_config(variant)
+  # The SFT anchor's batches stay one example per row: anchor_batch_size examples an update.
+  c.data.update(max_row_tokens=0, max_row_examples=0)
+  c.batch_size = 16
   c.num_train_steps = 400  # optimizer updates; the time limit usually ends the run first
   c.max_train_minutes = 30.0
   c.log_every = 1

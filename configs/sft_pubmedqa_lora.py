@@ -40,7 +40,7 @@ def get_config():
   c.data = ml_collections.ConfigDict(dict(
       train="", weights="", eval="", eval_fraction=0.0, tokenizer="", prompt_len=1024,
       num_canvases=2, overflow="truncate_left", seed=1, num_threads=1, prefetch=4,
-      thinking=False))
+      thinking=False, max_row_tokens=0, max_row_examples=0))  # 0: no packing (tasks/packing.py)
   c.sampler.max_new_tokens = 2 * 256
 
   c.eval = ml_collections.ConfigDict(dict(

@@ -15,6 +15,7 @@ import pytest
 
 from diffgemma import errors
 from diffgemma.runs import provenance
+from diffgemma.tasks import make_task
 from diffgemma.training import budget, loop
 from tests.helpers import one_line_error, restore_run, run, tiny_sudoku_config
 
@@ -200,6 +201,12 @@ def test_a_fitted_run_stopped_and_resumed_equals_the_uninterrupted_fitted_run(tm
   runs = provenance.load_run_info(resumed)["invocations"]
   assert [(r["start_step"], r["end_step"], r["stop_reason"]) for r in runs] == [
       (0, 5, provenance.STOP_AT), (5, 7, provenance.NUM_TRAIN_STEPS)]
+  # What the run trained on, carried over the resume: a Sudoku row is one example, all valid.
+  row_tokens = make_task(config).layout.seq_len
+  for run, steps in zip(runs, (5, 7)):
+    assert run["examples_seen"] == steps * config.batch_size
+    assert run["real_tokens_seen"] == steps * config.batch_size * row_tokens
+  assert 0 < runs[0]["train_seconds"] < runs[1]["train_seconds"]
   fit_record = runs[0]["budget_fit"]
   assert fit_record["num_train_steps"] == 7 and fit_record["calibration_steps"] == 3
   assert fit_record["seconds_per_step"] == round(call["seconds_per_step"], 4)  # as recorded

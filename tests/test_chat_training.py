@@ -12,7 +12,7 @@ import numpy as np
 from diffgemma.io import model_dirs
 from diffgemma.model import transformer
 from diffgemma.model.config import tiny
-from diffgemma.runs import checkpointing
+from diffgemma.runs import checkpointing, provenance
 from diffgemma.sampling import sampler
 from tests.helpers import GEMMA_LIKE_TEMPLATE, chat, write_jsonl
 from tests.helpers import run
@@ -51,6 +51,10 @@ def test_fine_tune_a_transformers_checkpoint_on_chat_jsonl_then_eval_and_sdrl(tm
   saved = checkpointing.load_config(workdir)
   assert saved.model.vocab_size == 64 and saved.model.canvas_length == 8  # the checkpoint's
   assert saved.init_from == ckpt and checkpointing.latest_step(workdir) == 2
+  # sft_chat packs: 2 steps of 4 rows saw more than 8 examples, and counted their tokens.
+  (invocation,) = provenance.load_run_info(workdir)["invocations"]
+  assert invocation["examples_seen"] > 8 and invocation["real_tokens_seen"] > 0
+  assert invocation["train_seconds"] > 0
 
   r = run("eval.py", f"--workdir={workdir}", f"--data={data}", "--limit=3")
   assert r.returncode == 0, r.stderr[-3000:]

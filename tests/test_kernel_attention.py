@@ -98,9 +98,9 @@ def make_inputs(case: Case, seed: int = 0):
   return (q, k, v), (ints(anchor), ints(limit), ints(kv_pos), jnp.asarray(kv_valid)), cotangent
 
 
-def reference(q, k, v, anchor, limit, kv_pos, kv_valid, window):
+def reference(q, k, v, anchor, limit, kv_pos, kv_valid, window, q_segment=None, kv_segment=None):
   return layers.attend(q, k, v, attention_mask.attention_mask(anchor, limit, kv_pos, kv_valid,
-                                                              window))
+                                                              window, q_segment, kv_segment))
 
 
 def output_and_grads(attention, qkv, cotangent):
@@ -219,3 +219,81 @@ def test_rejects_bad_shapes():
   with pytest.raises(ValueError, match="multiple of kv heads"):
     canvas_attention(q, kv, kv, ints, ints, jnp.zeros((1, 6), jnp.int32), jnp.ones((1, 6), bool),
                      None)
+
+
+# ----------------------------------------------------------------------------- packed rows
+
+# Example lengths of two packed rows (the rest of each row is padding, segment 0); positions
+# restart at 0 in each example, as the packed SFT rows have them.
+PACKED_LENGTHS = ((7, 4, 9), (13, 5))
+PACKED_SLOTS = 24
+
+
+def packed_rows(lengths=PACKED_LENGTHS, slots=PACKED_SLOTS):
+  """(segment_BxS, position_BxS) of rows packed with examples of `lengths`; segment j + 1 for
+  the row's j-th example, 0 (position 0) on padding."""
+  segment = np.zeros((len(lengths), slots), np.int32)
+  position = np.zeros((len(lengths), slots), np.int32)
+  for b, row in enumerate(lengths):
+    start = 0
+    for j, n in enumerate(row):
+      segment[b, start:start + n] = j + 1
+      position[b, start:start + n] = np.arange(n)
+      start += n
+  return segment, position
+
+
+def make_packed_inputs(decoder: bool, canvas: int = 3, seed: int = 0):
+  """Mask ingredients with segments, built the way a packed SFT row is: the encoder's causal
+  pass over the row; or the decoder's canvases, one per example, each after its example's
+  (cached) prefix: example j's canvas starts at position length_j - canvas (its last canvas)."""
+  segment, position = packed_rows()
+  valid = segment > 0
+  b, s = segment.shape
+  if decoder:
+    num = max(len(row) for row in PACKED_LENGTHS)
+    starts = np.array([[n - canvas for n in row] + [0] * (num - len(row))
+                       for row in PACKED_LENGTHS])  # [B, E] canvas anchors
+    q_segment = np.repeat(np.arange(1, num + 1)[None], b, 0)
+    q_segment = np.where(np.array([[j < len(row) for j in range(num)]
+                                   for row in PACKED_LENGTHS]), q_segment, 0)
+    cutoff_BxS = np.take_along_axis(np.pad(starts, ((0, 0), (1, 0))), segment, axis=1)
+    kv_valid = np.concatenate([valid & (position < cutoff_BxS),
+                               np.repeat(q_segment > 0, canvas, 1)], axis=1)
+    anchor = np.repeat(starts, canvas, 1)
+    q_pos = anchor + np.tile(np.arange(canvas), num)
+    kv_pos = np.concatenate([position, q_pos], axis=1)
+    q_segment = np.repeat(q_segment, canvas, 1)
+    kv_segment = np.concatenate([segment, q_segment], axis=1)
+    limit = anchor + canvas - 1
+  else:
+    anchor = limit = position
+    q_segment = kv_segment = segment
+    kv_pos, kv_valid = position, valid
+  t, s = anchor.shape[1], kv_pos.shape[1]
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(0.5 * rng.standard_normal(shape), jnp.float32)
+  q, k, v = normal(b, t, 4, 16), normal(b, s, 2, 16), 2 * normal(b, s, 2, 16)
+  ints = lambda x: jnp.asarray(x, jnp.int32)
+  mask_args = (ints(anchor), ints(limit), ints(kv_pos), jnp.asarray(kv_valid))
+  return (q, k, v), mask_args, (ints(q_segment), ints(kv_segment)), normal(b, t, 4, 16)
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "sliding"])
+def test_packed_segments_match_reference(decoder, window):
+  """With segment ids the kernel (interpret mode) equals the XLA path on the same mask, forward
+  and gradients, on sliding and full layers; no row sees a key of another example."""
+  qkv, mask_args, segments, cotangent = make_packed_inputs(decoder)
+  mask = np.asarray(attention_mask.attention_mask(*mask_args, window, *segments))
+  q_seg, kv_seg = (np.asarray(x) for x in segments)
+  assert not (mask & (q_seg[:, :, None] != kv_seg[:, None, :])).any()
+  assert (mask.any(-1) == (q_seg > 0)).all()  # every example's query sees a key
+  kernel = functools.partial(canvas_attention, sliding_window=window, block_q=4, block_kv=8,
+                             block_kv_bwd=8)
+  ours = run_jitted(lambda q, k, v: kernel(q, k, v, *mask_args, q_segment_BxT=segments[0],
+                                           kv_segment_BxS=segments[1]), qkv, cotangent)
+  ref = run_jitted(lambda q, k, v: reference(q, k, v, *mask_args, window, *segments), qkv,
+                   cotangent)
+  for what, a, b in zip(("out", "dq", "dk", "dv"), (ours[0], *ours[1]), (ref[0], *ref[1])):
+    assert_close(a, b, TOLERANCE[jnp.float32], what, min_scale=1.0)

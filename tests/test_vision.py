@@ -161,7 +161,7 @@ def test_bidirectional_attention_reaches_inside_each_image_only():
   blocks = attention_mask.image_blocks(jnp.asarray((tokens == cfg.image_token_id) & valid))
   pos = jnp.arange(PROMPT_LEN)[None]
   mask = np.asarray(attention_mask.attention_mask(pos, pos, pos, jnp.asarray(valid), WINDOW,
-                                                  blocks, blocks))[0]
+                                                  q_block_BxT=blocks, kv_block_BxS=blocks))[0]
   first = int(np.argmax(tokens[0] == cfg.image_token_id))
   assert mask[first, first + 3] and not mask[first, first + 4 + 2]
   assert not mask[first - 1, first] and not mask[first, first + 4]
@@ -169,8 +169,34 @@ def test_bidirectional_attention_reaches_inside_each_image_only():
   pallas = cfg.replace(attention_impl="pallas")
   args = (pos, pos, pos, jnp.asarray(valid))
   assert all(m is None for _, m in layers.layer_mask_specs(pallas, *args).values())
-  specs = layers.layer_mask_specs(pallas, *args, blocks, blocks)
+  specs = layers.layer_mask_specs(pallas, *args, q_block_BxT=blocks, kv_block_BxS=blocks)
   np.testing.assert_array_equal(specs[SLIDING][1][0], mask)
+
+
+@pytest.mark.parametrize("window", [None, 2], ids=["full", "sliding"])
+def test_segments_cut_image_blocks_too(window):
+  """Segment ids and image blocks in the one mask: key j is visible to query t iff of t's
+  segment and (by the causal/window rule or in t's image block), as defined one pair at a time."""
+  segment = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 0]])
+  position = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 0]])
+  # Both examples' images have block id 0 (as per-example ids would): segments still part them.
+  block = np.array([[-1, 0, 0, -1, 0, 0, 0, -1, -1]])
+  valid = segment > 0
+  as_j = lambda x: jnp.asarray(x, jnp.int32)
+  mask = np.asarray(attention_mask.attention_mask(
+      as_j(position), as_j(position), as_j(position), jnp.asarray(valid), window,
+      as_j(segment), as_j(segment), as_j(block), as_j(block)))[0]
+  r = segment.shape[1]
+  expected = np.zeros((r, r), bool)
+  for t in range(r):
+    for j in range(r):
+      causal = position[0, j] <= position[0, t] and (
+          window is None or position[0, j] > position[0, t] - window)
+      same_block = block[0, t] >= 0 and block[0, j] == block[0, t]
+      expected[t, j] = (valid[0, j] and segment[0, j] == segment[0, t]
+                        and (causal or same_block))
+  np.testing.assert_array_equal(mask, expected)
+  assert mask[1, 2] and mask[4, 6] and not mask[4, 1]  # inside each image; never across examples
 
 
 # ----------------------------------------------------------------------------- weights

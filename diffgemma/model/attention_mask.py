@@ -11,12 +11,13 @@ import jax.numpy as jnp
 
 
 def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_window,
-                   q_block_BxT=None, kv_block_BxS=None):
+                   q_segment_BxT=None, kv_segment_BxS=None, q_block_BxT=None, kv_block_BxS=None):
   """The one attention mask of the model, [B, T, S] bool.
 
-  Key j is visible to query t when it is valid, not after the query's limit, and (on sliding
-  layers) after its window anchor minus the window:
-    kv_valid[j] and kv_pos[j] <= q_limit[t] and kv_pos[j] > q_anchor[t] - window.
+  Key j is visible to query t when it is valid, not after the query's limit, (on sliding
+  layers) after its window anchor minus the window, and (packed rows) of the query's segment:
+    kv_valid[j] and kv_pos[j] <= q_limit[t] and kv_pos[j] > q_anchor[t] - window
+    and kv_segment[j] == q_segment[t].
   Encoder (causal): anchor = limit = the query's own position.
   Decoder (a canvas starting at L): anchor = L, limit = the canvas's last position, so every
   canvas token sees the whole canvas and the last window-1 prefix tokens (the reference keeps
@@ -25,6 +26,10 @@ def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_
   the query's own block is visible too, past the limit and the window: the encoder attends
   bidirectionally inside each image (use_bidirectional_attention="vision"), on every layer, as
   transformers' DiffusionGemma masks do (causal-or-block, then the window's cut, then padding).
+  Packed rows (several examples in one row): segments are the example of each query and key, and
+  positions restart at 0 in each example, so every example sees exactly what it sees alone.
+  Segments None (one example per row) test nothing. Segments cut the block rule too: a key is
+  visible iff of the query's segment and (by the causal/window rule or in the query's block).
   """
   visible = kv_valid_BxS[:, None, :] & (kv_pos_BxS[:, None, :] <= q_limit_BxT[:, :, None])
   if sliding_window is not None:
@@ -32,6 +37,8 @@ def attention_mask(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS, sliding_
   if q_block_BxT is not None:
     same_block = q_block_BxT[:, :, None] == kv_block_BxS[:, None, :]
     visible |= same_block & (q_block_BxT[:, :, None] >= 0) & kv_valid_BxS[:, None, :]
+  if q_segment_BxT is not None:
+    visible &= kv_segment_BxS[:, None, :] == q_segment_BxT[:, :, None]
   return visible
 
 

@@ -83,18 +83,22 @@ def apply_rope(x_BxTxHxd, positions_BxT, inv_freq):
 
 class MaskSpec(NamedTuple):
   """The ingredients of `mask_lib.attention_mask` for one layer type (window None = full
-  attention; block ids None = no image attends bidirectionally)."""
+  attention; segments None = one example per row; block ids None = no image attends
+  bidirectionally). The fields follow `mask_lib.attention_mask`'s arguments."""
   q_anchor_BxT: jnp.ndarray
   q_limit_BxT: jnp.ndarray
   kv_pos_BxS: jnp.ndarray
   kv_valid_BxS: jnp.ndarray
   window: int | None
+  q_segment_BxT: jnp.ndarray | None = None
+  kv_segment_BxS: jnp.ndarray | None = None
   q_block_BxT: jnp.ndarray | None = None
   kv_block_BxS: jnp.ndarray | None = None
 
 
 def layer_mask_specs(cfg: ModelConfig, q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS,
-                     q_block_BxT=None, kv_block_BxS=None):
+                     q_segment_BxT=None, kv_segment_BxS=None, q_block_BxT=None,
+                     kv_block_BxS=None):
   """{layer type: (MaskSpec, materialised [B,T,S] mask or None)}; the XLA path builds each
   mask once per layer type, the Pallas kernel builds it block by block itself. With image block
   ids (`mask_lib.image_blocks`; an encoder pass over an image prompt with
@@ -103,7 +107,8 @@ def layer_mask_specs(cfg: ModelConfig, q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv
   specs = {}
   for lt in dict.fromkeys(cfg.layer_types):  # not set(): hash order varies by process
     spec = MaskSpec(q_anchor_BxT, q_limit_BxT, kv_pos_BxS, kv_valid_BxS,
-                    cfg.sliding_window if lt == SLIDING else None, q_block_BxT, kv_block_BxS)
+                    cfg.sliding_window if lt == SLIDING else None, q_segment_BxT,
+                    kv_segment_BxS, q_block_BxT, kv_block_BxS)
     kernel_builds_it = cfg.attention_impl == "pallas" and q_block_BxT is None
     specs[lt] = (spec, None if kernel_builds_it else mask_lib.attention_mask(*spec))
   return specs
@@ -115,7 +120,8 @@ def attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, spec_and_mask, cfg: ModelConfig):
   spec, mask_BxTxS = spec_and_mask
   if mask_BxTxS is None:
     return attention_kernel.canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, *spec[:4],
-                                             spec.window)
+                                             spec.window, q_segment_BxT=spec.q_segment_BxT,
+                                             kv_segment_BxS=spec.kv_segment_BxS)
   return attend(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, mask_BxTxS)
 
 

@@ -115,7 +115,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
 
 
 def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT=None,
-           images: vision.Images | None = None):
+           images: vision.Images | None = None, positions_BxT=None, segment_ids_BxT=None):
   """Causal pass over T new tokens written at cache slots [end, end+T).
 
   Args:
@@ -126,18 +126,23 @@ def encode(params: Params, cfg: ModelConfig, tokens_BxT, cache: Cache, valid_BxT
       the order their placeholders (cfg.image_token_id) appear, row-major over [B, T] (rows
       of all padding, unused slots, add nothing); the placeholders must number the images'
       soft tokens (`vision.check_image_tokens`).
+    positions_BxT, segment_ids_BxT: packed rows (both or neither): each token's position in its
+      example (RoPE; from 0) and its example's id; a token sees earlier tokens of its own
+      example only. The cache then also holds each slot's "positions" and "segments", which
+      `decode` reads.
   With cfg.use_bidirectional_attention == "vision", each run of placeholders attends
-  bidirectionally within itself (images given or not).
+  bidirectionally within itself (images given or not; within its segment in packed rows).
   Returns:
     (hidden_BxTxD after the final norm, updated cache with end += T).
   A thin wrapper: `Model.encode` is the network.
   """
   return Model(cfg).apply(to_variables(params), tokens_BxT, cache, valid_BxT, images,
-                          method=Model.encode)
+                          positions_BxT, segment_ids_BxT, method=Model.encode)
 
 
 def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_len_B=None,
-           self_cond_logits_BxCxV=None, self_cond_mask_B=None, self_cond_embedding_BxCxD=None):
+           self_cond_logits_BxCxV=None, self_cond_mask_B=None, self_cond_embedding_BxCxD=None,
+           canvas_segments_BxE=None):
   """Bidirectional denoiser over a canvas; returns float32 logits [B, C, V].
 
   The canvas occupies positions prefix_len .. prefix_len + C - 1 and sees cached slots
@@ -146,11 +151,15 @@ def decode(params: Params, cfg: ModelConfig, canvas_BxC, cache: Cache, prefix_le
   precomputed `self_cond_embedding_BxCxD` (`soft_embedding` of the previous probabilities, as
   the fused sampling step makes it) replaces the logits.
   `prefix_len_B` defaults to the cache end (sampling); training passes a per-example value.
+  Packed rows (a cache `encode` filled with segment ids): the row holds E = C / canvas_length
+  canvases side by side, canvas e of example `canvas_segments_BxE[:, e]` (0: none) at its
+  example's positions prefix_len_BxE[:, e] ..; each sees its own canvas and the valid cached
+  slots of its example before it, as that example alone would.
   A thin wrapper: `Model.decode` is the network.
   """
   return Model(cfg).apply(to_variables(params), canvas_BxC, cache, prefix_len_B,
-                                  self_cond_logits_BxCxV, self_cond_mask_B,
-                                  self_cond_embedding_BxCxD, method=Model.decode)
+                          self_cond_logits_BxCxV, self_cond_mask_B, self_cond_embedding_BxCxD,
+                          canvas_segments_BxE, method=Model.decode)
 
 
 # ----------------------------------------------------------------------------- init
@@ -408,9 +417,10 @@ class Model(Module):
       fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     return fn(h_BxTxD, layer_params)
 
-  def encode(self, tokens_BxT, cache, valid_BxT=None, images: vision.Images | None = None):
+  def encode(self, tokens_BxT, cache, valid_BxT=None, images: vision.Images | None = None,
+             positions_BxT=None, segment_ids_BxT=None):
     """`transformer.encode`: causal pass over T new tokens written at cache slots [end, end+T)
-    (images: over their placeholders)."""
+    (images: over their placeholders; positions and segment ids: packed rows)."""
     cfg = self.cfg
     chex.assert_rank(tokens_BxT, 2)
     chex.assert_type(tokens_BxT, int)
@@ -420,20 +430,35 @@ class Model(Module):
     if valid_BxT is None:
       valid_BxT = jnp.ones((b, t), bool)
     chex.assert_shape(valid_BxT, (b, t))
-    positions_BxT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     kv_valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (0, start))
     num_slots = kv_valid_BxS.shape[1]
-    kv_pos_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
-    blocks = ()
+    slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
+    packed = segment_ids_BxT is not None
+    if packed != (positions_BxT is not None) or (not packed and "segments" in cache):
+      raise ValueError("packed rows need positions_BxT and segment_ids_BxT, both, and a cache "
+                       "of packed rows needs them on every encode")
+    segments = {}
+    if packed:
+      chex.assert_shape([positions_BxT, segment_ids_BxT], (b, t))
+      positions_BxT = positions_BxT.astype(jnp.int32)
+      put = lambda slots_BxS, x_BxT: jax.lax.dynamic_update_slice(
+          slots_BxS, x_BxT.astype(jnp.int32), (0, start))
+      kv_pos_BxS = put(cache.get("positions", slot_BxS), positions_BxT)
+      kv_segment_BxS = put(cache.get("segments", jnp.zeros_like(slot_BxS)), segment_ids_BxT)
+      segments = dict(q_segment_BxT=segment_ids_BxT, kv_segment_BxS=kv_segment_BxS)
+    else:
+      positions_BxT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+      kv_pos_BxS = slot_BxS
+    blocks = {}
     if cfg.use_bidirectional_attention == "vision":
       # Image runs of these tokens; cached slots belong to no block (a prompt's images are
       # encoded in the pass that holds them).
       q_block_BxT = mask_lib.image_blocks((tokens_BxT == cfg.image_token_id) & valid_BxT)
       kv_block_BxS = jax.lax.dynamic_update_slice(jnp.full((b, num_slots), -1, jnp.int32),
                                                   q_block_BxT, (0, start))
-      blocks = (q_block_BxT, kv_block_BxS)
+      blocks = dict(q_block_BxT=q_block_BxT, kv_block_BxS=kv_block_BxS)
     masks = layer_mask_specs(cfg, positions_BxT, positions_BxT, kv_pos_BxS, kv_valid_BxS,
-                             *blocks)
+                             **segments, **blocks)
 
     h = self.embedder.encode(tokens_BxT)
     if images is not None:
@@ -454,28 +479,38 @@ class Model(Module):
       h, new_cache = self._run_layer(i, h, positions_BxT, attend)
       new_layers.append(new_cache)
     h = self.norms["final_norm"](h)
-    return h, {"layers": new_layers, "valid": kv_valid_BxS, "end": start + t}
+    new_cache = {"layers": new_layers, "valid": kv_valid_BxS, "end": start + t}
+    if packed:
+      new_cache.update(positions=kv_pos_BxS, segments=kv_segment_BxS)
+    return h, new_cache
 
   def decode(self, canvas_BxC, cache, prefix_len_B=None, self_cond_logits_BxCxV=None,
-             self_cond_mask_B=None, self_cond_embedding_BxCxD=None):
+             self_cond_mask_B=None, self_cond_embedding_BxCxD=None, canvas_segments_BxE=None):
     """`transformer.decode`: the bidirectional denoiser over a canvas; float32 logits [B, C, V]."""
     cfg = self.cfg
     chex.assert_rank(canvas_BxC, 2)
     chex.assert_type(canvas_BxC, int)
     b, c = canvas_BxC.shape
-    if prefix_len_B is None:
-      prefix_len_B = jnp.broadcast_to(cache["end"], (b,))
-    chex.assert_shape(prefix_len_B, (b,))
-    prefix_len_B = prefix_len_B.astype(jnp.int32)
-    positions_BxC = prefix_len_B[:, None] + jnp.arange(c, dtype=jnp.int32)
-    num_slots = cache["valid"].shape[1]
-    slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
-    kv_pos = jnp.concatenate([slot_BxS, positions_BxC], axis=1)
-    kv_valid = jnp.concatenate(
-        [cache["valid"] & (slot_BxS < prefix_len_B[:, None]), jnp.ones((b, c), bool)], axis=1)
-    anchor_BxC = jnp.broadcast_to(prefix_len_B[:, None], (b, c))
-    limit_BxC = anchor_BxC + c - 1
-    masks = layer_mask_specs(cfg, anchor_BxC, limit_BxC, kv_pos, kv_valid)
+    if (canvas_segments_BxE is None) == ("segments" in cache):
+      raise ValueError("packed canvases (canvas_segments_BxE) read a cache of packed rows, and "
+                       "only they do")
+    if canvas_segments_BxE is not None:
+      positions_BxC, masks = self._packed_canvas_masks(c, cache, prefix_len_B,
+                                                       canvas_segments_BxE)
+    else:
+      if prefix_len_B is None:
+        prefix_len_B = jnp.broadcast_to(cache["end"], (b,))
+      chex.assert_shape(prefix_len_B, (b,))
+      prefix_len_B = prefix_len_B.astype(jnp.int32)
+      positions_BxC = prefix_len_B[:, None] + jnp.arange(c, dtype=jnp.int32)
+      num_slots = cache["valid"].shape[1]
+      slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
+      kv_pos = jnp.concatenate([slot_BxS, positions_BxC], axis=1)
+      kv_valid = jnp.concatenate(
+          [cache["valid"] & (slot_BxS < prefix_len_B[:, None]), jnp.ones((b, c), bool)], axis=1)
+      anchor_BxC = jnp.broadcast_to(prefix_len_B[:, None], (b, c))
+      limit_BxC = anchor_BxC + c - 1
+      masks = layer_mask_specs(cfg, anchor_BxC, limit_BxC, kv_pos, kv_valid)
 
     x = self.embedder.encode(canvas_BxC)
     if self_cond_embedding_BxCxD is not None:
@@ -504,6 +539,30 @@ class Model(Module):
     logits = self.embedder.decode(h)
     chex.assert_shape(logits, (b, c, cfg.vocab_size))
     return logits
+
+  def _packed_canvas_masks(self, c: int, cache, prefix_len_BxE, segments_BxE):
+    """(positions_BxC, layer masks) of E = C / canvas_length packed canvases side by side
+    (`transformer.decode`): canvas e's queries and keys are of segment segments_BxE[:, e], at
+    positions prefix_len_BxE[:, e] ..; a cached slot is visible before the canvas of its own
+    segment only (the slot's segment has one canvas in the row, so that is a per-slot rule)."""
+    b, e = segments_BxE.shape
+    width = self.cfg.canvas_length
+    if c != e * width:
+      raise ValueError(f"{e} packed canvases of {width} need {e * width} canvas tokens, got {c}")
+    chex.assert_shape(prefix_len_BxE, (b, e))
+    anchor_BxC = jnp.repeat(prefix_len_BxE.astype(jnp.int32), width, axis=1)
+    positions_BxC = anchor_BxC + jnp.tile(jnp.arange(width, dtype=jnp.int32), e)
+    q_segment_BxC = jnp.repeat(segments_BxE.astype(jnp.int32), width, axis=1)
+    slot_pos_BxS, slot_segment_BxS = cache["positions"], cache["segments"]
+    mine_BxSxE = slot_segment_BxS[:, :, None] == segments_BxE[:, None, :]
+    cutoff_BxS = jnp.max(jnp.where(mine_BxSxE, prefix_len_BxE[:, None, :], 0), axis=2)
+    kv_pos = jnp.concatenate([slot_pos_BxS, positions_BxC], axis=1)
+    kv_valid = jnp.concatenate([cache["valid"] & (slot_pos_BxS < cutoff_BxS),
+                                q_segment_BxC > 0], axis=1)
+    kv_segment = jnp.concatenate([slot_segment_BxS, q_segment_BxC], axis=1)
+    masks = layer_mask_specs(self.cfg, anchor_BxC, anchor_BxC + width - 1, kv_pos, kv_valid,
+                             q_segment_BxC, kv_segment)
+    return positions_BxC, masks
 
 
 # ----------------------------------------------------------------------------- the params tree

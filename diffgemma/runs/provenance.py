@@ -16,6 +16,14 @@ A run whose schedule is fitted to its budget (`num_train_steps=0`, `training.bud
 per re-fit: step, seconds per step, count before and after, reason) to the invocation that took
 each decision.
 
+An invocation that ended records what the run had trained on by its end step, over all its
+invocations: `examples_seen` and `real_tokens_seen` (the valid tokens of those examples:
+prompts and canvases, not padding; a packed row counts each of its examples) and
+`train_seconds` (wall-clock seconds of the training loops from their first step, compiles,
+evaluations and checkpoints included; `train_seconds_at` keeps them at each checkpoint, where a
+resumed run takes them up); the TensorBoard scalars of the same names follow them step by step.
+Two runs compare per example and per minute by them.
+
 It also holds `headline_metric`: the task's main metric (its periodic evaluation logs it as
 `eval/NAME`), which tools/compare.py plots as the quality axis.
 
@@ -230,16 +238,38 @@ def stop_reason(step: int, num_train_steps: int, timed_out: bool,
   return MAX_TRAIN_MINUTES if timed_out else STOP_AT
 
 
-def record_end(workdir: str, step: int, reason: str) -> None:
+def record_end(workdir: str, step: int, reason: str, seen: dict | None = None) -> None:
   """Mark the last invocation as ended at `step` for `reason` (after its final checkpoint is
-  written); only process 0 writes."""
+  written), with what the run had trained on by then (`seen`: examples_seen, real_tokens_seen,
+  train_seconds); only process 0 writes."""
   if not distributed.primary():
     return
   info = load_run_info(workdir)
   if not info["invocations"]:  # a loop that did not record its start: record it now
     info["invocations"].append(provenance())
-  info["invocations"][-1].update(ended=now(), end_step=int(step), stop_reason=reason)
+  info["invocations"][-1].update(ended=now(), end_step=int(step), stop_reason=reason,
+                                 **(seen or {}))
   _save(workdir, info)
+
+
+def record_train_seconds(workdir: str, step: int, seconds: float) -> None:
+  """Record on this invocation the run's train_seconds at its checkpoint `step`, where a
+  resumed run takes them up (`train_seconds_at`); only process 0 writes."""
+  if not distributed.primary():
+    return
+  info = load_run_info(workdir)
+  info["invocations"][-1].setdefault("train_seconds_at", {})[str(int(step))] = round(seconds, 3)
+  _save(workdir, info)
+
+
+def train_seconds_at(workdir: str, step: int) -> float:
+  """The run's train_seconds at its checkpoint `step` (`record_train_seconds`); 0 for a new run,
+  or for a checkpoint written before they were recorded."""
+  for invocation in reversed(load_run_info(workdir)["invocations"]):
+    seconds = invocation.get("train_seconds_at", {}).get(str(int(step)))
+    if seconds is not None:
+      return float(seconds)
+  return 0.0
 
 
 def running(workdir: str) -> dict | None:

@@ -13,6 +13,9 @@ builds one from `config.task.name`).
 A training sequence is P prompt slots (left-padded), then K canvases of C tokens:
   tokens_BxL int32, valid_BxL bool (False = padding, never attended), loss_mask_BxL bool
   (supervised target tokens), with L = P + K * C.
+A task may pack its training examples instead (`Task.packing`): rows of R slots, each holding
+whole examples (their prompt unpadded, then their canvases) back to back; `PackedLayout` says
+what such a batch holds.
 """
 
 from __future__ import annotations
@@ -49,6 +52,37 @@ class Layout:
   def seq_len(self) -> int:
     """L = P + K * C."""
     return self.prompt_len + self.response_len
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+  """Static shape of packed training rows (diffgemma/tasks/packing.py): R slots per row, up to E
+  examples per row, each example its prompt (unpadded) then its canvases of C; K bounds the
+  canvases of one example (the task's `Layout`).
+
+  A packed batch [B rows]:
+    tokens_BxR int32, valid_BxR bool (False on the row's padding after its last example),
+    loss_mask_BxR bool (every slot of the examples' canvases, as in `Layout`);
+    segment_ids_BxR int32: j + 1 on the slots of the row's j-th example, 0 on padding;
+    positions_BxR int32: each slot's offset in its example (RoPE restarts at 0), 0 on padding;
+    canvas_start_BxE int32: the row slot of example j's first canvas (0: no example j);
+    num_canvases_BxE int32: example j's canvases (0: no example j in this row).
+  """
+
+  row_tokens: int
+  row_examples: int
+  canvas_length: int
+  num_canvases: int
+
+  def __post_init__(self):
+    for name in ("row_tokens", "row_examples", "canvas_length", "num_canvases"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"packed layout {name} must be >= 1, got {getattr(self, name)}")
+
+  @property
+  def seq_len(self) -> int:
+    """R: the slots of one row."""
+    return self.row_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +159,11 @@ class Task(abc.ABC):
     """P, K, C of every training sequence and of the sampler's prompts and budget."""
 
   @property
+  def packing(self) -> PackedLayout | None:
+    """The packed rows `train_batches` yields (None: one example per row, in `layout`)."""
+    return None
+
+  @property
   def stop_token_ids(self) -> tuple[int, ...]:
     """Ids that end a reply besides the model's EOS (e.g. a chat model's end-of-turn)."""
     return ()
@@ -140,8 +179,9 @@ class Task(abc.ABC):
   def train_batches(self, batch_size: int, num_steps: int, start_step: int = 0,
                     process_index: int = 0, process_count: int = 1) -> Iterator[dict]:
     """Batches for steps start_step .. num_steps-1: dicts of numpy tokens / valid / loss_mask
-    [B / process_count, L]. A pure function of the step (a resumed run sees exactly the batches
-    an uninterrupted one would); process i gets its share of each global batch."""
+    [B / process_count, L] (a packing task: B rows of `PackedLayout`'s arrays). A pure function
+    of the step (a resumed run sees exactly the batches an uninterrupted one would); process i
+    gets its share of each global batch."""
 
   def data_report(self) -> str | None:
     """A few lines on the training data for the log (e.g. examples cut or dropped), or None."""

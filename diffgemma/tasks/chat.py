@@ -57,8 +57,8 @@ from diffgemma.io import image_processing, model_dirs
 from diffgemma.io import tokenizer as tokenizer_lib
 from diffgemma.runs import checkpointing
 from diffgemma.sampling import sampler
-from diffgemma.tasks import chat_data, text_metrics
-from diffgemma.tasks.base import Layout, Prompts, RlTask
+from diffgemma.tasks import chat_data, packing, text_metrics
+from diffgemma.tasks.base import Layout, PackedLayout, Prompts, RlTask
 
 DEFAULT_REWARD = "exact"
 INFILL_METRIC = "infill_accuracy"  # the headline on infill data
@@ -97,6 +97,11 @@ class ChatSettings:
                          "truncate_left" (prompts lose their oldest tokens after BOS; replies
                          keep their beginning), "drop" (skip the example) or "error".
     data.seed            shuffling (per file, new every epoch) and the eval_fraction split.
+    data.max_row_tokens  pack training examples into rows of this many slots (0 = off: one
+                         example per row in the P + K*C layout); diffgemma/tasks/packing.py.
+                         An example longer than a row is an error naming its line.
+    data.max_row_examples  with packing, the most examples in one row (the canvases the
+                         decoder runs per row; about max_row_tokens / the mean example length).
     data.num_threads, data.prefetch   grain reader threads and prefetched batches.
     data.thinking        render prompts in the chat template's thinking mode (enable_thinking)
                          and train the thoughts assistant turns carry (in the thinking channel,
@@ -143,6 +148,8 @@ class ChatSettings:
   thinking: bool = False
   max_images: int = 0  # image slots per example (0 = text only)
   max_soft_tokens: int = 0  # the image processor's budget (0 = the model's)
+  max_row_tokens: int = 0  # packing off
+  max_row_examples: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +186,16 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
   for key in ("prompt_len", "num_canvases"):
     if int(data.get(key, 0)) < 1:
       raise ValueError(f"data.{key} must be >= 1, got {data.get(key)}")
-  for key in ("num_threads", "prefetch", "max_images", "max_soft_tokens"):
+  for key in ("num_threads", "prefetch", "max_images", "max_soft_tokens", "max_row_tokens",
+              "max_row_examples"):
     if int(data.get(key, 0)) < 0:
       raise ValueError(f"data.{key} must be >= 0, got {data.get(key)}")
+  max_row_tokens, max_row_examples = (int(data.get(k, 0))
+                                      for k in ("max_row_tokens", "max_row_examples"))
+  if max_row_tokens and not max_row_examples:
+    raise ValueError("data.max_row_tokens packs examples into rows: set data.max_row_examples "
+                     "too (the most examples per row, about max_row_tokens / the mean example "
+                     "length)")
   metric = ev.get("metric", "exact")
   answer_regex = ev.get("answer_regex", "") or ""
   try:
@@ -219,7 +233,8 @@ def settings_from_config(config: ml_collections.ConfigDict) -> ChatSettings:
       metric=metric, answer_regex=answer_regex, reward=reward, reward_fn=reward_fn,
       stop_check_step=stop_check_step, stop_overrun_warning=stop_overrun_warning,
       thinking=thinking, max_images=int(data.get("max_images", 0)),
-      max_soft_tokens=int(data.get("max_soft_tokens", 0)))
+      max_soft_tokens=int(data.get("max_soft_tokens", 0)),
+      max_row_tokens=max_row_tokens, max_row_examples=max_row_examples)
 
 
 def model_has_vision_tower(model) -> bool:
@@ -400,6 +415,17 @@ class ChatTask(RlTask):
     return self._layout
 
   @property
+  def packing(self) -> PackedLayout | None:
+    """Rows of data.max_row_tokens slots, up to data.max_row_examples examples each (None:
+    data.max_row_tokens = 0, no packing; or image data, data.max_images > 0: packed rows do not
+    carry images, so image examples stay one per row, as the data report says)."""
+    s = self.settings
+    if not s.max_row_tokens or s.max_images:
+      return None
+    return PackedLayout(s.max_row_tokens, s.max_row_examples, self._layout.canvas_length,
+                        self._layout.num_canvases)
+
+  @property
   def stop_token_ids(self) -> tuple[int, ...]:
     """The one stop path of chat replies (evaluation, SD·RL rollouts, sample.py, reply cuts):
     the tokenizer's EOS and end-of-turn (what SFT targets end with), then the ids the source
@@ -515,10 +541,24 @@ class ChatTask(RlTask):
                                     self._layout.response_len, s.overflow, where, counts)
       if target is None:
         continue
+      self._check_row_fits(len(prompt), len(target), where)
       counts.examples += 1
       out.append(Example(tuple(prompt), tuple(target), conversation.source,
                          _last_user_text(history), reply, images))
     return out
+
+  def _check_row_fits(self, prompt_len: int, target_len: int, where: str) -> None:
+    """ChatDataError (one line) when packing is on and the example fills more than a row."""
+    rows = self.packing
+    c = self._layout.canvas_length
+    length = prompt_len + chat_data.num_target_canvases(target_len, c) * c
+    if rows is not None and length > rows.row_tokens:
+      raise chat_data.ChatDataError(
+          f"{where}: the example is {length} tokens packed (a prompt of {prompt_len} and "
+          f"canvases of {c} for a reply of {target_len}), longer than a row, "
+          f"data.max_row_tokens={rows.row_tokens}; set data.max_row_tokens to at least "
+          f"{self._layout.seq_len} (data.prompt_len + data.num_canvases x {c}: every example "
+          "then fits)")
 
   def layout_example(self, example: Example) -> dict:
     """tokens / valid / loss_mask [P + K*C] of one example (chat_data.layout_example); with
@@ -623,11 +663,17 @@ class ChatTask(RlTask):
 
   def train_batches(self, batch_size: int, num_steps: int, start_step: int = 0,
                     process_index: int = 0, process_count: int = 1):
-    """Batches of tokens / valid / loss_mask [B / process_count, P + K*C]. Raises at the call
-    (not on the first batch) when there is no training data."""
+    """Batches of tokens / valid / loss_mask [B / process_count, P + K*C], or with packing B
+    packed rows (`PackedLayout`). Raises at the call (not on the first batch) when there is no
+    training data."""
     self._require_train()
     order = self._order(_TRAIN_STREAM)
     example_fn = lambda pair: self.layout_example(self._train[pair[0]][pair[1]])
+    if self.packing is not None:
+      return packing.packed_batches(order, example_fn, self.packing, batch_size, num_steps,
+                                    start_step, process_index, process_count,
+                                    self.settings.num_threads, self.settings.prefetch,
+                                    self.settings.seed, self.tokenizer.pad_id)
     return chat_data.batches(order, example_fn, batch_size, num_steps, start_step,
                              process_index, process_count, self.settings.num_threads,
                              self.settings.prefetch)
@@ -663,6 +709,19 @@ class ChatTask(RlTask):
       lines.append(f"images: {s.max_images} slots per example, up to {im.max_soft_tokens} soft "
                    f"tokens each ({im.max_patches} patches of {im.patch_size} px, pooled "
                    f"{im.pooling_kernel_size} x {im.pooling_kernel_size})")
+    if s.max_row_tokens and s.max_images:
+      lines.append("packing: off for image data (data.max_images > 0): one example per row")
+    if self.packing is not None and self._train:
+      rows = self.packing
+      sample = self.train_examples(0, 64 * rows.row_examples)
+      c = rows.canvas_length
+      lengths = [len(e.prompt_ids) + chat_data.num_target_canvases(len(e.target_ids), c) * c
+                 for e in sample]
+      per_row, share = packing.fill(lengths, rows, bins=16, seed=s.seed)
+      lines.append(f"packing: rows of {rows.row_tokens} slots (data.max_row_tokens), at most "
+                   f"{rows.row_examples} examples (data.max_row_examples); a mean example is "
+                   f"{np.mean(lengths):.0f} slots, a row holds {per_row:.2f} examples and "
+                   f"{share:.0%} of its slots are theirs (first {len(sample)} examples)")
     return "\n".join(lines)
 
   def describe_file(self, path: str, limit: int | None = None) -> list[dict]:

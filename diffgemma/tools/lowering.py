@@ -76,7 +76,8 @@ def abstract_cache(cfg: ModelConfig, batch: int, slots: int):
 
 
 def attention_programs(cfg: ModelConfig, batch: int, pallas: bool) -> list[Program]:
-  """Canvas attention on a sliding and a full layer, forward and backward (w.r.t. q, k, v)."""
+  """Canvas attention on a sliding and a full layer, forward and backward (w.r.t. q, k, v), with
+  segment ids (packed rows: the kernel's every input)."""
   out = []
   for layer_type in (SLIDING, FULL):
     hd = cfg.head_dim if layer_type == SLIDING else cfg.global_head_dim
@@ -86,16 +87,19 @@ def attention_programs(cfg: ModelConfig, batch: int, pallas: bool) -> list[Progr
     dt = jnp.dtype(cfg.compute_dtype)
     args = (S((batch, CANVAS, cfg.num_heads, hd), dt), S((batch, slots, kv, hd), dt),
             S((batch, slots, kv, hd), dt), S((batch, CANVAS), jnp.int32),
-            S((batch, CANVAS), jnp.int32), S((batch, slots), jnp.int32), S((batch, slots), bool))
+            S((batch, CANVAS), jnp.int32), S((batch, slots), jnp.int32), S((batch, slots), bool),
+            S((batch, CANVAS), jnp.int32), S((batch, slots), jnp.int32))
 
-    def fwd(q, k, v, anchor, limit, pos, valid, window=window):
+    def fwd(q, k, v, anchor, limit, pos, valid, q_seg, kv_seg, window=window):
       if pallas:
-        return attention_kernel.canvas_attention(q, k, v, anchor, limit, pos, valid, window)
+        return attention_kernel.canvas_attention(q, k, v, anchor, limit, pos, valid, window,
+                                                 q_segment_BxT=q_seg, kv_segment_BxS=kv_seg)
       return layers.attend(q, k, v, attention_mask.attention_mask(anchor, limit, pos, valid,
-                                                                window))
+                                                                window, q_seg, kv_seg))
 
-    def bwd(q, k, v, anchor, limit, pos, valid, fwd=fwd):
-      out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, anchor, limit, pos, valid), q, k, v)
+    def bwd(q, k, v, anchor, limit, pos, valid, q_seg, kv_seg, fwd=fwd):
+      out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, anchor, limit, pos, valid, q_seg, kv_seg),
+                         q, k, v)
       return vjp(out)
 
     name = f"attention_{layer_type.split('_')[0]}_B{batch}"

@@ -186,6 +186,35 @@ def _check_finite(state, train_cfg: run_config.TrainConfig, mngr) -> int:
   return count
 
 
+class _Seen:
+  """What the run has trained on up to its current step: examples_seen and real_tokens_seen
+  (the stage's `batch_counts`, summed; carried across invocations in the checkpoint,
+  `training_state.with_seen`) and train_seconds (the wall-clock seconds of the training loops,
+  from each invocation's first step on, compiles, evaluations and checkpoints included; carried
+  in run_info.json, `seconds_before` those of the checkpoint resumed from)."""
+
+  def __init__(self, state, seconds_before: float):
+    self._counts = training_state.seen_counts(state)
+    self._pending = []  # device scalars of the steps since the last read
+    self._before = seconds_before
+    self._started = time.perf_counter()
+
+  def start(self) -> None:
+    self._started = time.perf_counter()
+
+  def add(self, counts) -> None:
+    self._pending.append(counts)
+
+  def totals(self) -> dict:
+    """{examples_seen, real_tokens_seen, train_seconds} now (one host read)."""
+    for examples, tokens in jax.device_get(self._pending):
+      self._counts["examples_seen"] += int(examples)
+      self._counts["real_tokens_seen"] += int(tokens)
+    self._pending = []
+    self._counts["train_seconds"] = self._before + time.perf_counter() - self._started
+    return dict(self._counts)
+
+
 def _close(bar, mngr, writer, failed: BaseException | None = None) -> None:
   """The progress bar, pending checkpoint writes (their failure is one line), TensorBoard. With
   `failed` (the error already on its way out) a second error is dropped."""
@@ -441,9 +470,14 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   trace_fn = (sampler.make_generate_fn(model_cfg, eval_sampler_cfg.replace(record_trajectory=True))
               if trace_rows else None)
   stage.start(state, frozen, start_step, workdir)
+  seen = _Seen(state, provenance.train_seconds_at(workdir, start_step))
 
   def checkpoint(step):
+    nonlocal state
     _check_finite(state, train_cfg, mngr)  # nothing non-finite is ever saved
+    totals = seen.totals()
+    state = training_state.with_seen(state, totals)
+    provenance.record_train_seconds(workdir, step, totals["train_seconds"])
     saved = state if not (frozen is not None and lora_cfg.save_base) else {**state, "base": frozen}
     checkpointing.save(mngr, step, saved)
 
@@ -483,11 +517,13 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
              desc=stage.name, unit="step", dynamic_ncols=True, disable=not distributed.primary())
   step, stop = start_step, ""
   clock = _StepClock(start_step) if fitting else None
+  seen.start()
   try:
     while step < train_cfg.num_train_steps:
       batch, new_host_metrics = stage.next_batch(step, state, frozen)
       host_metrics.update(new_host_metrics)
       batch = sharding.global_batch(batch, setup.mesh, setup.rules)
+      seen.add(stage.batch_counts(step, batch))
       state, metrics = step_fn(state, frozen, batch)
       step += 1
       window_steps += 1
@@ -504,6 +540,7 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
         if stage.tokens_per_batch():
           metrics["tokens_per_second"] = window_steps * stage.tokens_per_batch() / elapsed
         metrics.update(host_metrics)
+        metrics.update(seen.totals())
         if refits is not None and window_clean:
           refits.windows.append((window_steps, elapsed))
         window_start, window_steps, window_clean = time.perf_counter(), 0, True
@@ -579,7 +616,8 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
   _close(bar, mngr, writer)  # the checkpoint at `step` is complete
   preempted = stop.startswith(provenance.PREEMPTED)
   provenance.record_end(workdir, step, provenance.stop_reason(
-      step, train_cfg.num_train_steps, stop == provenance.MAX_TRAIN_MINUTES, preempted))
+      step, train_cfg.num_train_steps, stop == provenance.MAX_TRAIN_MINUTES, preempted),
+      seen.totals())
   if preempted and step < train_cfg.num_train_steps:
     print(f"stopped at step {step} on {stop.partition(':')[2]}: checkpoint saved in "
           f"{checkpointing.checkpoint_dir(workdir)}; rerun the same command to resume")

@@ -1,6 +1,6 @@
 """A training run's state: what it is made of, how it starts, where it lives, how it resumes.
 
-The state is one pytree {step, params (the trained tree), opt_state, rng, nonfinite}; a LoRA
+The state is one pytree {step, params (the trained tree), opt_state, rng, nonfinite, seen}; a LoRA
 run also has a frozen base outside it (kept in the checkpoint only with `lora.save_base`).
 `Setup` holds everything else a run needs (its typed `RunConfig`, optimizer, mesh, rules),
 built once from the typed config by `make_setup`.
@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from diffgemma.io import model_dirs
 from diffgemma.model import lora, quantize, sharding, transformer
@@ -188,12 +189,12 @@ def model_params(trainable, frozen, lora_cfg: lora.LoraConfig, dropout_rng=None)
 
 def init_state(setup: Setup, params=None, frozen=None):
   """The training state: {step, params (the trained tree), opt_state, rng, nonfinite,
-  nonfinite_step}.
+  nonfinite_step, seen}.
 
   Full fine-tuning trains `params` (random unless given). A LoRA run trains fresh adapters on
   the frozen base `frozen`; `params` is then unused. `nonfinite` counts the steps whose loss or
   gradient norm was not finite (their updates were not applied), `nonfinite_step` is the first
-  of them (0: none).
+  of them (0: none). `seen` is what the run has trained on up to its step (`seen_counts`).
   """
   rng = jax.random.PRNGKey(setup.train_cfg.seed)
   init_rng, train_rng = jax.random.split(rng)
@@ -203,7 +204,28 @@ def init_state(setup: Setup, params=None, frozen=None):
     params = transformer.init_params(setup.model_cfg, init_rng)
   zero = lambda: jnp.zeros((), jnp.int32)  # separate buffers: each may be donated
   return {"step": zero(), "params": params, "opt_state": setup.tx.init(params),
-          "rng": train_rng, "nonfinite": zero(), "nonfinite_step": zero()}
+          "rng": train_rng, "nonfinite": zero(), "nonfinite_step": zero(),
+          "seen": jnp.zeros((3,), jnp.int32)}
+
+
+# The state's `seen` entry is int32 [examples, real tokens // 2**30, real tokens % 2**30]: exact
+# past 2**31 tokens without 64-bit integers in JAX. A pure function of the step (no wall time:
+# a resumed run's state equals the uninterrupted run's).
+_TOKENS_SPLIT = 2**30
+
+
+def seen_counts(state) -> dict:
+  """{examples_seen, real_tokens_seen} the state records (one host read)."""
+  examples, high, low = (int(x) for x in jax.device_get(state["seen"]))
+  return {"examples_seen": examples, "real_tokens_seen": high * _TOKENS_SPLIT + low}
+
+
+def with_seen(state, counts: dict):
+  """The state recording `counts` (`seen_counts`' keys) in its `seen` entry."""
+  tokens = int(counts["real_tokens_seen"])
+  seen = np.array([counts["examples_seen"], tokens // _TOKENS_SPLIT, tokens % _TOKENS_SPLIT],
+                  np.int32)
+  return dict(state, seen=jax.device_put(seen, state["seen"].sharding))
 
 
 def state_shardings(setup: Setup, abstract):
@@ -239,7 +261,7 @@ def new_state(setup: Setup):
 
 
 # Keys of the state that checkpoints written before them lack; they restore as zeros.
-_ADDED_KEYS = ("nonfinite", "nonfinite_step")
+_ADDED_KEYS = ("nonfinite", "nonfinite_step", "seen")
 
 
 def restore_state(workdir: str, setup: Setup, move_damaged: bool = False,
@@ -268,7 +290,7 @@ def restore_state(workdir: str, setup: Setup, move_damaged: bool = False,
       state = checkpointing.restore(mngr, step, target_at(step))
   for key in _ADDED_KEYS:
     if key not in state:
-      state[key] = jax.device_put(jnp.zeros((), jnp.int32), target[key].sharding)
+      state[key] = jax.device_put(jnp.zeros(target[key].shape, jnp.int32), target[key].sharding)
   if "base" in state:
     frozen = state.pop("base")
   return state, frozen, int(step)

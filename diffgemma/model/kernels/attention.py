@@ -2,11 +2,13 @@
 
 `canvas_attention` is a drop-in for
 
-    layers.attend(q, k, v, attention_mask(q_anchor, q_limit, kv_pos, kv_valid, window))
+    layers.attend(q, k, v, attention_mask(q_anchor, q_limit, kv_pos, kv_valid, window,
+                                          q_segment, kv_segment))
 
 that takes the mask's ingredients instead of a materialised [B, T, S] mask. It serves the decoder
 (C canvas queries against [cached prefix slots | canvas keys]) and the causal encoder (anchor =
-limit = the query's own position) alike.
+limit = the query's own position) alike, one example per row or packed rows (segment ids; None
+= every query and key of a row in segment 0).
 
 Forward: one Pallas program per (batch, query head, query block) runs an online softmax over KV
 blocks in a `fori_loop` (Triton has no scratch memory, so the accumulators live in the loop carry).
@@ -69,7 +71,8 @@ class _Options:
 
 
 def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT, kv_pos_BxS,
-                     kv_valid_BxS, sliding_window: int | None, *, block_q: int | None = None,
+                     kv_valid_BxS, sliding_window: int | None, *, q_segment_BxT=None,
+                     kv_segment_BxS=None, block_q: int | None = None,
                      block_kv: int | None = None, block_kv_bwd: int = 256,
                      max_tile_elements: int = 64 * 256, max_block: int = 64,
                      min_block: int = 16, interpret: bool | None = None,
@@ -77,7 +80,8 @@ def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
   """Masked GQA softmax attention (scaling 1.0, float32 softmax) without a materialised mask.
 
   Key j is visible to query t when kv_valid[j] and kv_pos[j] <= q_limit[t] and (with a sliding
-  window) kv_pos[j] > q_anchor[t] - sliding_window; see `attention_mask.attention_mask`.
+  window) kv_pos[j] > q_anchor[t] - sliding_window and kv_segment[j] == q_segment[t]; see
+  `attention_mask.attention_mask`.
 
   Args:
     q_BxTxHxd: queries (bfloat16 or float32).
@@ -85,6 +89,8 @@ def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
     q_anchor_BxT, q_limit_BxT: int per-query window anchor and last visible position.
     kv_pos_BxS: int key positions (any order); kv_valid_BxS: bool key validity.
     sliding_window: window size, or None for full attention.
+    q_segment_BxT, kv_segment_BxS: int example ids of packed rows (both or neither; None: one
+      segment per row).
     block_q, block_kv: forward tile sizes, powers of two. None: the largest power of two
       <= `max_block` whose [block, d] tile has at most `max_tile_elements` elements (64 for d <= 256,
       32 for d = 512); tiles shrink to the (padded) sequence lengths. T and S need not be
@@ -113,8 +119,14 @@ def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
   if not (q_BxTxHxd.dtype == k_BxSxKxd.dtype == v_BxSxKxd.dtype):
     raise ValueError(f"q, k, v dtypes differ: {q_BxTxHxd.dtype}, {k_BxSxKxd.dtype}, "
                      f"{v_BxSxKxd.dtype}")
+  if (q_segment_BxT is None) != (kv_segment_BxS is None):
+    raise ValueError("give q_segment and kv_segment together")
+  if q_segment_BxT is None:
+    q_segment_BxT, kv_segment_BxS = jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
   for name, x, shape in (("q_anchor", q_anchor_BxT, (b, t)), ("q_limit", q_limit_BxT, (b, t)),
-                         ("kv_pos", kv_pos_BxS, (b, s)), ("kv_valid", kv_valid_BxS, (b, s))):
+                         ("kv_pos", kv_pos_BxS, (b, s)), ("kv_valid", kv_valid_BxS, (b, s)),
+                         ("q_segment", q_segment_BxT, (b, t)),
+                         ("kv_segment", kv_segment_BxS, (b, s))):
     if x.shape != shape:
       raise ValueError(f"{name} must have shape {shape}; got {x.shape}")
   for name, block in (("block_q", block_q), ("block_kv", block_kv)):
@@ -126,18 +138,19 @@ def canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
   opts = _Options(sliding_window, block_q, block_kv, block_kv_bwd, max_tile_elements, max_block,
                   min_block, interpret, guarded, num_warps, num_stages)
   return _canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT,
-                           kv_pos_BxS, kv_valid_BxS, opts)
+                           kv_pos_BxS, kv_valid_BxS, q_segment_BxT, kv_segment_BxS, opts)
 
 
-@functools.partial(jax.jit, static_argnums=(7,))
+@functools.partial(jax.jit, static_argnums=(9,))
 def _canvas_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT, q_limit_BxT, kv_pos_BxS,
-                      kv_valid_BxS, opts: _Options):
+                      kv_valid_BxS, q_segment_BxT, kv_segment_BxS, opts: _Options):
   """`canvas_attention` after validation; `opts` (static) holds the resolved platform mode, so
   a trace for one platform is never reused for another."""
   h, kv_heads = q_BxTxHxd.shape[2], k_BxSxKxd.shape[2]
   out_BxTxHxd, lse_BxHxT = _attention_core(
       q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, q_anchor_BxT.astype(jnp.int32),
-      q_limit_BxT.astype(jnp.int32), kv_pos_BxS.astype(jnp.int32), kv_valid_BxS.astype(bool), opts)
+      q_limit_BxT.astype(jnp.int32), kv_pos_BxS.astype(jnp.int32), kv_valid_BxS.astype(bool),
+      q_segment_BxT.astype(jnp.int32), kv_segment_BxS.astype(jnp.int32), opts)
   # Rows that saw no key: the reference's uniform softmax over all S keys (differentiable in v).
   has_key_BxTxH = (lse_BxHxT > -jnp.inf).transpose(0, 2, 1)
   uniform_BxHxd = _uniform_average(v_BxSxKxd, h // kv_heads)
@@ -156,23 +169,24 @@ def _uniform_average(v_BxSxKxd, group: int):
 # ----------------------------------------------------------------------------- custom vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention_core(q, k, v, anchor, limit, pos, valid, opts: _Options):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attention_core(q, k, v, anchor, limit, pos, valid, q_seg, kv_seg, opts: _Options):
   """(out_BxTxHxd with zero rows where nothing is visible, lse_BxHxT with -inf there)."""
-  return _forward(q, k, v, anchor, limit, pos, valid, opts)
+  return _forward(q, k, v, anchor, limit, pos, valid, q_seg, kv_seg, opts)
 
 
-def _attention_core_fwd(q, k, v, anchor, limit, pos, valid, opts: _Options):
-  out, lse = _forward(q, k, v, anchor, limit, pos, valid, opts)
-  return (out, lse), (q, k, v, anchor, limit, pos, valid, out, lse)
+def _attention_core_fwd(q, k, v, anchor, limit, pos, valid, q_seg, kv_seg, opts: _Options):
+  out, lse = _forward(q, k, v, anchor, limit, pos, valid, q_seg, kv_seg, opts)
+  return (out, lse), (q, k, v, anchor, limit, pos, valid, q_seg, kv_seg, out, lse)
 
 
 def _attention_core_bwd(opts: _Options, residuals, cotangents):
-  q, k, v, anchor, limit, pos, valid, out, lse = residuals
+  q, k, v, anchor, limit, pos, valid, q_seg, kv_seg, out, lse = residuals
   g_out, g_lse = cotangents
-  dq, dk, dv = _backward_blocked(q, k, v, anchor, limit, pos, valid, out, lse, g_out, g_lse,
-                                 sliding_window=opts.sliding_window, block_kv=opts.block_kv_bwd)
-  return dq, dk, dv, None, None, None, None
+  dq, dk, dv = _backward_blocked(q, k, v, anchor, limit, pos, valid, q_seg, kv_seg, out, lse,
+                                 g_out, g_lse, sliding_window=opts.sliding_window,
+                                 block_kv=opts.block_kv_bwd)
+  return dq, dk, dv, None, None, None, None, None, None
 
 
 _attention_core.defvjp(_attention_core_fwd, _attention_core_bwd)
@@ -208,7 +222,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 
 def _forward(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, anchor_BxT, limit_BxT, pos_BxS, valid_BxS,
-             opts: _Options):
+             q_seg_BxT, kv_seg_BxS, opts: _Options):
   """Pads to whole tiles, runs the Pallas kernel, crops. Returns (out_BxTxHxd, lse_BxHxT)."""
   b, t, h, d = q_BxTxHxd.shape
   s, kv_heads = k_BxSxKxd.shape[1], k_BxSxKxd.shape[2]
@@ -225,6 +239,8 @@ def _forward(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, anchor_BxT, limit_BxT, pos_BxS, va
   anchor = _pad_axis(anchor_BxT, 1, tp)
   limit = _pad_axis(limit_BxT, 1, tp, _NO_KEY_LIMIT)
   pos = _pad_axis(pos_BxS, 1, sp)
+  q_seg = _pad_axis(q_seg_BxT, 1, tp)
+  kv_seg = _pad_axis(kv_seg_BxS, 1, sp)
   # int32, not bool: the safest element type for Triton loads.
   valid = _pad_axis(valid_BxS.astype(jnp.int32), 1, sp)
 
@@ -238,7 +254,7 @@ def _forward(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, anchor_BxT, limit_BxT, pos_BxS, va
   out, lse = platform.pallas_call(
       kernel,
       grid=(b, h, tp // block_q),
-      in_specs=[q_rows, q_rows, kv_rows, kv_rows, q_tile, kv_all, kv_all],
+      in_specs=[q_rows, q_rows, kv_rows, kv_rows, q_rows, kv_rows, q_tile, kv_all, kv_all],
       out_specs=[q_tile, lse_tile],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
@@ -246,7 +262,7 @@ def _forward(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, anchor_BxT, limit_BxT, pos_BxS, va
       guarded=opts.guarded,
       compiler_params=_compiler_params(opts, d),
       name="canvas_attention",
-  )(anchor, limit, pos, valid, q, k, v)
+  )(anchor, limit, pos, valid, q_seg, kv_seg, q, k, v)
   return out[:, :t, :, :d], lse[:, :, :t]
 
 
@@ -264,12 +280,14 @@ def _compiler_params(opts: _Options, head_dim: int):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=opts.num_stages)
 
 
-def _forward_kernel(anchor_ref, limit_ref, pos_ref, valid_ref, q_ref, k_ref, v_ref, o_ref,
-                    lse_ref, *, sliding_window: int | None, block_kv: int, num_kv_blocks: int):
+def _forward_kernel(anchor_ref, limit_ref, pos_ref, valid_ref, q_seg_ref, kv_seg_ref, q_ref,
+                    k_ref, v_ref, o_ref, lse_ref, *, sliding_window: int | None, block_kv: int,
+                    num_kv_blocks: int):
   """One (batch, head, query block): online softmax over the KV blocks any of its rows sees."""
   q_Qxd = q_ref[...]
   anchor_1xQ = anchor_ref[...][None, :]
   limit_1xQ = limit_ref[...][None, :]
+  q_seg_1xQ = q_seg_ref[...][None, :]
   block_q, head_dim = q_Qxd.shape
 
   def accumulate(kv, mask_QxV, carry):
@@ -292,8 +310,9 @@ def _forward_kernel(anchor_ref, limit_ref, pos_ref, valid_ref, q_ref, k_ref, v_r
     kv = pl.ds(j * block_kv, block_kv)
     pos_1xV = pos_ref[kv][None, :]
     valid_1xV = valid_ref[kv][None, :] != 0
-    mask_QxV = mask_lib.attention_mask(anchor_1xQ, limit_1xQ, pos_1xV, valid_1xV,
-                                    sliding_window).reshape(block_q, block_kv)
+    kv_seg_1xV = kv_seg_ref[kv][None, :]
+    mask_QxV = mask_lib.attention_mask(anchor_1xQ, limit_1xQ, pos_1xV, valid_1xV, sliding_window,
+                                       q_seg_1xQ, kv_seg_1xV).reshape(block_q, block_kv)
     # Triton has no reduce_or: "any" as a max over int32.
     any_visible = jnp.max(mask_QxV.astype(jnp.int32)) > 0
     return jax.lax.cond(any_visible, functools.partial(accumulate, kv, mask_QxV),
@@ -312,7 +331,7 @@ def _forward_kernel(anchor_ref, limit_ref, pos_ref, valid_ref, q_ref, k_ref, v_r
 
 
 def _backward_blocked(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, anchor_BxT, limit_BxT, pos_BxS, valid_BxS,
-                      out_BxTxHxd, lse_BxHxT, g_out_BxTxHxd, g_lse_BxHxT, *,
+                      q_seg_BxT, kv_seg_BxS, out_BxTxHxd, lse_BxHxT, g_out_BxTxHxd, g_lse_BxHxT, *,
                       sliding_window: int | None, block_kv: int):
   """Flash-attention backward in plain JAX, one KV block per `lax.scan` step.
 
@@ -347,12 +366,14 @@ def _backward_blocked(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, anchor_BxT, limit_BxT, po
     x_BxS = _pad_axis(x_BxS, 1, sp, fill)
     return jnp.moveaxis(x_BxS.reshape(b, num_blocks, block_kv, *x_BxS.shape[2:]), 1, 0)
 
-  xs = (blocks(k_BxSxKxd), blocks(v_BxSxKxd), blocks(pos_BxS), blocks(valid_BxS, False))
+  xs = (blocks(k_BxSxKxd), blocks(v_BxSxKxd), blocks(pos_BxS), blocks(valid_BxS, False),
+        blocks(kv_seg_BxS))
   einsum = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
 
   def step(dq_BxKxGxTxd, block):
-    k_BxVxKxd, v_BxVxKxd, pos_BxV, valid_BxV = block
-    mask_BxTxV = mask_lib.attention_mask(anchor_BxT, limit_BxT, pos_BxV, valid_BxV, sliding_window)
+    k_BxVxKxd, v_BxVxKxd, pos_BxV, valid_BxV, kv_seg_BxV = block
+    mask_BxTxV = mask_lib.attention_mask(anchor_BxT, limit_BxT, pos_BxV, valid_BxV, sliding_window,
+                                         q_seg_BxT, kv_seg_BxV)
 
     def compute(dq_BxKxGxTxd):
       scores_BxKxGxTxV = einsum("bkgtd,bvkd->bkgtv", q_BxKxGxTxd, k_BxVxKxd)

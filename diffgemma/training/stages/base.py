@@ -53,6 +53,11 @@ class Stage(Protocol):
   def tokens_per_batch(self) -> int | None:
     """Training tokens of one batch, for tokens/s (None: not meaningful for this stage)."""
 
+  def batch_counts(self, step: int, batch) -> tuple[jax.Array, jax.Array]:
+    """(examples, real tokens) the update of `step` trains on, as scalars computed on the
+    device from the global `batch` (the loop sums them into examples_seen and
+    real_tokens_seen)."""
+
   def progress_fields(self, metrics: dict) -> dict[str, str]:
     """The few numbers the progress bar shows, formatted."""
 

@@ -537,13 +537,25 @@ class SdrlStage:
   def loss_fn(self, params, batch, rng):
     return sdrl_loss(params, self.setup.model_cfg, self.cfg, self.setup.loss_cfg,
                      batch["states"], rng, self._reference, batch.get("anchor"),
-                     self.task.layout)
+                     self.task.packing or self.task.layout)
 
   def is_boundary(self, step: int) -> bool:
     return step % self.cfg.updates_per_rollout == 0
 
   def tokens_per_batch(self):
     return None
+
+  def batch_counts(self, step, batch):
+    """A rollout's rows (its sampled replies), counted at the update that samples it: their
+    valid prompt tokens and the reply slots they were sampled into (the SFT anchor's batches
+    are not counted)."""
+    states = batch["states"]
+    if step % self.cfg.updates_per_rollout:
+      return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    rows = states["prompt_valid_BxP"].shape[0]
+    return (jnp.asarray(rows, jnp.int32),
+            jnp.sum(states["prompt_valid_BxP"], dtype=jnp.int32)
+            + rows * self.rollout_cfg.max_new_tokens)
 
   @staticmethod
   def progress_fields(metrics):
@@ -638,8 +650,6 @@ class SdrlStage:
         params, prompt, valid, out, weights, key, token_weights)
     shapes = {"states": states}
     if self.cfg.anchor == "sft":
-      shape = (self.cfg.anchor_batch_size, self.task.layout.seq_len)
-      shapes["anchor"] = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
-                          "valid": jax.ShapeDtypeStruct(shape, jnp.bool_),
-                          "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
+      shapes["anchor"] = losses.sft_batch_shapes(self.task.packing or self.task.layout,
+                                                 self.cfg.anchor_batch_size)
     return shapes

@@ -9,12 +9,13 @@ import numpy as np
 
 from diffgemma.runs import guard
 from diffgemma.training.training_state import Setup
-from diffgemma.tasks.base import Task
+from diffgemma.tasks.base import PackedLayout, Task
 from diffgemma.training import losses
 
 
 class SftStage:
-  """Supervised fine-tuning: the task's batches and `losses.sft_loss` on its layout."""
+  """Supervised fine-tuning: the task's batches and `losses.sft_loss` on its layout, or on its
+  packed rows when the task packs (`Task.packing`; a batch is then B rows)."""
 
   name = "sft"
   update_stream = None
@@ -30,7 +31,7 @@ class SftStage:
     self.task, self.setup = task, setup
     self.batch_size = setup.train_cfg.batch_size
     self.num_steps = setup.train_cfg.num_train_steps
-    self.layout = task.layout
+    self.layout = task.packing or task.layout
     self._batches = None
 
   def loss_fn(self, params, batch, rng):
@@ -38,10 +39,7 @@ class SftStage:
                            batch, rng)
 
   def batch_shapes(self):
-    shape = (self.batch_size, self.layout.seq_len)
-    return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
-            "valid": jax.ShapeDtypeStruct(shape, jnp.bool_),
-            "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
+    return losses.sft_batch_shapes(self.layout, self.batch_size)
 
   def start(self, state, frozen, start_step: int, workdir: str):
     del state, frozen
@@ -64,6 +62,16 @@ class SftStage:
 
   def tokens_per_batch(self) -> int:
     return self.batch_size * self.layout.seq_len
+
+  def batch_counts(self, step, batch):
+    """The batch's examples (rows holding a valid token; packed: the rows' examples) and its
+    valid tokens (prompt and canvases, padding left out)."""
+    del step
+    if isinstance(self.layout, PackedLayout):
+      examples = jnp.sum(batch["num_canvases"] > 0, dtype=jnp.int32)
+    else:
+      examples = jnp.sum(jnp.any(batch["valid"], axis=1), dtype=jnp.int32)
+    return examples, jnp.sum(batch["valid"], dtype=jnp.int32)
 
   @staticmethod
   def progress_fields(metrics):
