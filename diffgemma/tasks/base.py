@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from diffgemma.model import vision
 from diffgemma.sampling import traces
 
 
@@ -49,6 +50,18 @@ class Layout:
   def seq_len(self) -> int:
     """L = P + K * C."""
     return self.prompt_len + self.response_len
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSlots:
+  """The image inputs beside each row of a task that reads images: `count` slots (I) of
+  `max_patches` patches (M) of `patch_dim` values (3 * patch_size**2); training batches carry
+  pixel_values [B, I, M, patch_dim] float32 and image_position_ids [B, I, M, 2] int32 (unused
+  slots all padding), held-out `Prompts` the same per row."""
+
+  count: int
+  max_patches: int
+  patch_dim: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +113,14 @@ class Prompts:
                    pick(self.records), pick(self.fixed_NxL), pick(self.fixed_mask_NxL),
                    pick(self.pixel_values_NxIxMxD), pick(self.image_positions_NxIxMx2))
 
+  def images(self, rows=None) -> vision.Images | None:
+    """The image inputs of rows `rows` (default all; an index array or a slice) as the sampler
+    and `transformer.encode` take them (`vision.batch_images`), or None without images."""
+    if self.pixel_values_NxIxMxD is None:
+      return None
+    rows = slice(None) if rows is None else rows
+    return vision.batch_images(self.pixel_values_NxIxMxD[rows], self.image_positions_NxIxMx2[rows])
+
   def repeat(self, times: int) -> Prompts:
     """Each row `times` times in a row (SD·RL groups): row i becomes rows i*G .. i*G+G-1."""
     return self.take(np.repeat(np.arange(len(self)), times))
@@ -133,6 +154,12 @@ class Task(abc.ABC):
   def min_vocab_size(self) -> int:
     """The smallest model vocabulary that holds every id the task produces."""
     return 0
+
+  @property
+  def image_slots(self) -> ImageSlots | None:
+    """The image inputs beside each row (training batches and held-out prompts), or None: the
+    task is text only."""
+    return None
 
   # ---------------------------------------------------------------- training data
 

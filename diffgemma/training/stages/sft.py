@@ -14,7 +14,8 @@ from diffgemma.training import losses
 
 
 class SftStage:
-  """Supervised fine-tuning: the task's batches and `losses.sft_loss` on its layout."""
+  """Supervised fine-tuning: the task's batches and `losses.sft_loss` on its layout (with
+  its images, for a task that reads them: `Task.image_slots`)."""
 
   name = "sft"
   update_stream = None
@@ -41,7 +42,8 @@ class SftStage:
     shape = (self.batch_size, self.layout.seq_len)
     return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
             "valid": jax.ShapeDtypeStruct(shape, jnp.bool_),
-            "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
+            "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_),
+            **losses.image_batch_shapes(self.task.image_slots, self.batch_size)}
 
   def start(self, state, frozen, start_step: int, workdir: str):
     del state, frozen
