@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from diffgemma.model import vision
 from diffgemma.sampling import traces
 
 
@@ -112,14 +111,6 @@ class Prompts:
     return Prompts(self.prompt_NxP[rows], self.valid_NxP[rows], pick(self.references),
                    pick(self.records), pick(self.fixed_NxL), pick(self.fixed_mask_NxL),
                    pick(self.pixel_values_NxIxMxD), pick(self.image_positions_NxIxMx2))
-
-  def images(self, rows=None) -> vision.Images | None:
-    """The image inputs of rows `rows` (default all; an index array or a slice) as the sampler
-    and `transformer.encode` take them (`vision.batch_images`), or None without images."""
-    if self.pixel_values_NxIxMxD is None:
-      return None
-    rows = slice(None) if rows is None else rows
-    return vision.batch_images(self.pixel_values_NxIxMxD[rows], self.image_positions_NxIxMx2[rows])
 
   def repeat(self, times: int) -> Prompts:
     """Each row `times` times in a row (SD·RL groups): row i becomes rows i*G .. i*G+G-1."""
