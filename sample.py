@@ -7,8 +7,14 @@ output, with the tokenizer files beside the weights), with the report's sampler 
 
 The prompt is one user turn of the chat template (`--chat=false`: plain text after BOS;
 `--thinking`: in the template's thinking mode, and a reply that thinks is printed as its thought,
-then its answer); the reply ends at EOS or at the end-of-turn marker. Sudoku, from a training
-run, showing the canvas after every denoising step:
+then its answer); the reply ends at EOS or at the end-of-turn marker. `--image=PATH`
+(repeatable) puts image files before the text in that turn, for a checkpoint with a vision
+tower (or a training run whose task reads images, e.g. configs/sft_image.py):
+
+  python sample.py --init_from=/ckpt/diffusiongemma-26b-a4b-it --image=cat.png \
+      --prompt="What is in the picture?"
+
+Sudoku, from a training run, showing the canvas after every denoising step:
 
   python sample.py --workdir=/tmp/sudoku --puzzle=53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79
 
@@ -35,6 +41,9 @@ _INIT_FROM = flags.DEFINE_string(
     "init_from", None, "Text mode: model checkpoint directory (transformers DiffusionGemma, or "
     "scripts/convert_checkpoint.py output) holding tokenizer.json or tokenizer.model.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Text mode: the prompt.")
+_IMAGE = flags.DEFINE_multi_string(
+    "image", [], "An image file for the prompt (repeatable; in order, before the text of the "
+    "user turn): a checkpoint with a vision tower, or a --workdir run whose task reads images.")
 _CHAT = flags.DEFINE_bool("chat", True, "Text mode: wrap the prompt in the chat template "
                           "(one user turn, then the opening of the model turn).")
 _THINKING = flags.DEFINE_bool(
@@ -85,6 +94,11 @@ def main(argv):
                         "samples in the run's own data.thinking mode")
   if _WARM_RUNS.value < 0:
     raise cli.UserError(f"--warm_runs must be >= 0 (got {_WARM_RUNS.value})")
+  if _IMAGE.value and _PUZZLE.value is not None:
+    raise cli.UserError("--image goes with --prompt (an image question), not with --puzzle")
+  for path in _IMAGE.value:
+    if not os.path.isfile(path):
+      raise cli.UserError(f"--image file {path!r} not found")
   distributed.initialize_from_flags()  # every process samples the same; 0 prints and writes
   distributed.check_same_run({}, {"argv": distributed.shared_argv()})
   if _WORKDIR.value is not None:
@@ -124,9 +138,9 @@ def sample_text():
   hf_config = _read_json(os.path.join(path, "config.json"))
   try:
     task = tasks.checkpoint_text_task(path, max_new, text, chat=_CHAT.value,
-                                      thinking=_THINKING.value)
-    prompts = task.prompt_from_text(text, chat=_CHAT.value)
-  except ValueError as e:  # a tokenizer or checkpoint file (errors.InputError), a prompt
+                                      thinking=_THINKING.value, images=_IMAGE.value)
+    prompts = task.prompt_from_text(text, chat=_CHAT.value, images=_IMAGE.value)
+  except ValueError as e:  # a tokenizer, checkpoint or image file (errors.InputError), a prompt
     raise cli.UserError(str(e)) from None
   num_prompt = prompts.prompt_NxP.shape[1]
   infill = _infill_slots(task)
@@ -157,6 +171,18 @@ def sample_text():
   args = (prompts.prompt_NxP, prompts.valid_NxP, jax.random.PRNGKey(_SEED.value))
   if infill is not None:
     args += tuple(x[None] for x in infill)
+  from diffgemma.training import evaluation
+
+  if infill is None:
+    args += (None, None)  # no fixed tokens
+  args += (evaluation.prompt_images(prompts),)
+  if prompts.pixel_values_NxIxMxD is not None:
+    from diffgemma.model import vision
+
+    try:  # the placeholders against the images (a checkpoint whose config and tokenizer differ)
+      vision.check_image_tokens(prompts.prompt_NxP, args[-1], model_cfg)
+    except ValueError as e:
+      raise cli.UserError(f"{path}: {e}") from None
   generate = jax.jit(sampler.generate, static_argnums=(1, 2))
   timing = {}
   out = _timed_generate(lambda: generate(params, model_cfg, sampler_cfg, *args),
@@ -283,13 +309,18 @@ def sample_run():
   import numpy as np
 
   from diffgemma.runs import provenance
-  from diffgemma.training import loaded
+  from diffgemma.training import evaluation, loaded
   from diffgemma.sampling import sampler
 
   run = loaded.open_run(_WORKDIR.value, **{**_sampler_overrides(), "record_trajectory": True})
   if run.untrained_ar_head():
     print(run.untrained_ar_head(), file=sys.stderr)
-  prompts = run.task.prompt_from_text(text)  # checked before the weights load
+  if _IMAGE.value and run.task.image_slots is None:
+    raise cli.UserError(f"--image: the {run.task.name} run in {_WORKDIR.value} reads no images "
+                        "(a chat run with data.max_images > 0 and a vision tower does)")
+  # Checked before the weights load.
+  prompts = (run.task.prompt_from_text(text, images=_IMAGE.value) if _IMAGE.value
+             else run.task.prompt_from_text(text))
   if _TRACE.value:
     from diffgemma.sampling import traces
 
@@ -301,8 +332,10 @@ def sample_run():
   run.params = _maybe_quantize(run.params)
   generate_fn = sampler.make_generate_fn(run.model_cfg, run.sampler_cfg)
   timing = {}
+  images = ({} if prompts.pixel_values_NxIxMxD is None
+            else {"images": evaluation.prompt_images(prompts)})
   out = _timed_generate(lambda: generate_fn(run.params, prompts.prompt_NxP, prompts.valid_NxP,
-                                            jax.random.PRNGKey(_SEED.value)),
+                                            jax.random.PRNGKey(_SEED.value), **images),
                         _WARM_RUNS.value, timing)
   trajectory = out.trajectory
   print(f"checkpoint step {run.step} ({run.task.name}); prompt:")

@@ -3,6 +3,7 @@
   python train.py --config=sft_sudoku --workdir=/tmp/sudoku [--config.num_train_steps=500 ...]
   python train.py --config=CONFIG --workdir=DIR --init_from=CHECKPOINT_DIR   # fine-tune
   python train.py --config=sft_sudoku_lora --dry_run   # per-device memory plan, no weights
+  python train.py --config=sft_sudoku_lora:vision --dry_run --dry_run_images=1  # with images
   python train.py --config=sdrl_sudoku --workdir=DIR --init_from=SFT_WORKDIR  # SD·RL stage
 
 Rerunning on the same workdir resumes exactly (step, optimizer, data position, RNG).
@@ -32,6 +33,10 @@ _DRY_RUN = flags.DEFINE_bool(
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
     "dry_run_devices", None, "Devices to simulate on the CPU for --dry_run (default: the "
     "product of the config's fixed sharding axes).")
+_DRY_RUN_IMAGES = flags.DEFINE_integer(
+    "dry_run_images", 0, "For --dry_run: plan every row of a text task with this many images at "
+    "the vision tower's soft-token budget (the prompt lengthened by their placeholders); needs "
+    "a model with a vision tower, e.g. --config=sft_sudoku_lora:vision.")
 _GRACE_S = flags.DEFINE_float(
     "preemption_grace_s", preemption.DEFAULT_GRACE_S, "Seconds after SIGTERM or Ctrl-C within "
     "which the run must have stopped with a checkpoint; set it to the scheduler's grace period "
@@ -90,6 +95,11 @@ def _resume_point() -> str:
 def _main(stop: preemption.Preemption | None):
   if _CONFIG.value is None:
     raise cli.UserError("--config is required, e.g. --config=sft_sudoku")
+  if _DRY_RUN_IMAGES.value and not _DRY_RUN.value:
+    raise cli.UserError("--dry_run_images is for --dry_run (a training run's images come from "
+                        "its data)")
+  if _DRY_RUN_IMAGES.value < 0:
+    raise cli.UserError(f"--dry_run_images must be >= 0, got {_DRY_RUN_IMAGES.value}")
   if _DRY_RUN.value:
     simulate_devices(_CONFIG.value)
   elif not _WORKDIR.value:
@@ -98,7 +108,8 @@ def _main(stop: preemption.Preemption | None):
   from diffgemma.training import memory_plan, loop  # after flag parsing, so bad flags fail fast
 
   if _DRY_RUN.value:
-    report = memory_plan.dry_run(_CONFIG.value, init_from=_INIT_FROM.value)
+    report = memory_plan.dry_run(_CONFIG.value, init_from=_INIT_FROM.value,
+                                 images=_DRY_RUN_IMAGES.value)
     print(memory_plan.format_report(report))
     return
   # The keys set on the command line: on resume, only they can change an --init_from run's

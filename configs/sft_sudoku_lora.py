@@ -6,15 +6,27 @@ both devices (FSDP); adapters and their AdamW state are float32.
 
   python train.py --config=sft_sudoku_lora --workdir=runs/lora26b --init_from=/ckpt/dg26b
   python train.py --config=sft_sudoku_lora --dry_run        # memory plan on 2 simulated devices
+  python train.py --config=sft_sudoku_lora:vision --dry_run --dry_run_images=1
+
+`:vision` gives the model the released vision tower (diffgemma/model/config.py,
+`gemma_26b_a4b_vision`), frozen in the base as the text model is, so the plan counts it;
+--dry_run_images=1 plans each row with one image at the tower's 280 soft tokens (the prompt
+lengthened by its placeholders). A run with --init_from takes the checkpoint's architecture,
+its vision tower included, whichever variant it names.
 """
 
 import dataclasses
 
 from configs import sft_sudoku
-from diffgemma.model.config import gemma_26b_a4b
+from diffgemma.model.config import gemma_26b_a4b, gemma_26b_a4b_vision
+
+VARIANTS = {"": gemma_26b_a4b, "vision": gemma_26b_a4b_vision}
 
 
-def get_config():
+def get_config(variant: str = ""):
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown sft_sudoku_lora variant {variant!r}; choose one of "
+                     f"{tuple(VARIANTS)}")
   c = sft_sudoku.get_config()
   c.num_train_steps = 1000
   c.batch_size = 8
@@ -29,7 +41,7 @@ def get_config():
   # weights in memory at a time, and a memory plan that --dry_run can see on a CPU (XLA:CPU
   # lowers ragged_dot to a dense all-experts product). On GPUs, moe_impl="pallas" is the
   # grouped kernel. Tiles of 64 rows: less padding per expert than 256 (RESULTS.md, "Recipe notes").
-  c.model = type(c.model)(dataclasses.asdict(gemma_26b_a4b(
+  c.model = type(c.model)(dataclasses.asdict(VARIANTS[variant](
       param_dtype="bfloat16", compute_dtype="bfloat16", moe_impl="tiled_scan", moe_tile_size=64,
       remat="full")))
 

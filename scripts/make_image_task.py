@@ -13,12 +13,23 @@ pixels across) at uniform places, not overlapping, on white. The questions:
                                             three times in four, else any pair, often "0");
   colour  "What colour is the square?"  -> "red" (asked of a shape drawn exactly once);
   total   "How many shapes?"            -> "1" .. "4".
-A line also carries "shapes": [{"shape", "colour", "x", "y", "size"}] (the centre in pixels, the
-size across), which training ignores. Each line and its image are a pure function of (seed,
-line number): a fresh seed gives a fresh set (a held-out set: another seed, as
-scripts/make_chat_task.py makes them).
+A line also carries "kind" (count, colour or total) and "shapes": [{"shape", "colour", "x",
+"y", "size"}] (the centre in pixels, the size across), which training ignores. Each line and its
+image are a pure function of (seed, line number): a fresh seed gives a fresh set (a held-out
+set: another seed, as scripts/make_chat_task.py makes them).
+
+Chance: a model that reads the question but not the picture does best answering each kind's most
+common answer. The generator draws colours and totals uniformly (1 in 4 right) but count answers
+unevenly ("1" about 69% of the time: a count question asks mostly about a drawn shape), so a
+set's chance is the share its majority answers get, per kind and overall; writing a set prints
+it, and
+
+  python scripts/make_image_task.py --predictions=RUN/predictions/test-stepN.jsonl
+
+prints eval.py's accuracy per kind beside the chance of the same rows.
 """
 
+import collections
 import json
 import os
 import re
@@ -45,6 +56,8 @@ def define_flags():
   flags.DEFINE_integer("num", None, "Number of conversations (and images).")
   flags.DEFINE_integer("seed", 0, "Generator seed.")
   flags.DEFINE_string("out", None, "Output JSONL path; the images go in a folder beside it.")
+  flags.DEFINE_string("predictions", None, "Instead of writing a set: eval.py's predictions "
+                      "JSONL on a set this script wrote; prints accuracy and chance per kind.")
 
 
 def image_folder(out: str) -> str:
@@ -102,6 +115,60 @@ def ask(rng: np.random.Generator, shapes: list[dict]) -> str:
   return f"How many {colour} {shape}s?"
 
 
+def kind_of(question: str) -> str:
+  """The kind of a question of `ask`: count, colour or total."""
+  if question == "How many shapes?":
+    return "total"
+  return "colour" if question.startswith("What colour") else "count"
+
+
+def chance_levels(pairs) -> dict[str, dict]:
+  """{kind: {"examples", "answer" (the most common), "chance" (its share)}} of (question,
+  answer) pairs, and "overall": {"examples", "chance"}: the accuracy of answering each kind's
+  most common answer without looking at the picture."""
+  answers = collections.defaultdict(collections.Counter)
+  for question, reply in pairs:
+    answers[kind_of(question)][reply] += 1
+  out, right = {}, 0
+  for kind in QUESTIONS:
+    if answers[kind]:
+      reply, count = answers[kind].most_common(1)[0]
+      n = sum(answers[kind].values())
+      out[kind] = {"examples": n, "answer": reply, "chance": count / n}
+      right += count
+  total = sum(sum(c.values()) for c in answers.values())
+  out["overall"] = {"examples": total, "chance": right / max(total, 1)}
+  return out
+
+
+def format_chance(levels: dict) -> str:
+  return "; ".join(f"{kind} {v['chance']:.1%}" + (f" ({v['answer']!r})" if "answer" in v else "")
+                   for kind, v in levels.items())
+
+
+def score_predictions(path: str) -> str:
+  """Lines of eval.py's accuracy per kind of question on a set of this task, each beside the
+  chance of the same rows (`chance_levels`)."""
+  if not os.path.isfile(path):
+    raise cli.UserError(f"--predictions file {path!r} not found")
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for i, line in enumerate(f, 1):
+      try:
+        record = json.loads(line)
+        records.append((record["prompt"], record["reference"], bool(record["correct"])))
+      except (ValueError, KeyError, TypeError):
+        raise cli.UserError(f"{path}:{i}: not a prediction of eval.py (prompt, reference, "
+                            "correct)") from None
+  levels = chance_levels((q, r) for q, r, _ in records)
+  lines = ["kind     examples  accuracy  chance"]
+  for kind in (*QUESTIONS, "overall"):
+    if kind in levels:
+      rows = [c for q, _, c in records if kind == "overall" or kind_of(q) == kind]
+      lines.append(f"{kind:8s} {len(rows):8d}  {np.mean(rows):8.1%}  {levels[kind]['chance']:6.1%}")
+  return "\n".join(lines)
+
+
 def answer(question: str, shapes: list[dict]) -> str:
   """The exact answer to a question of `ask` about these shapes."""
   if question == "How many shapes?":
@@ -116,15 +183,16 @@ def answer(question: str, shapes: list[dict]) -> str:
   return str(sum(s["colour"] == match[1] and s["shape"] == match[2] for s in shapes))
 
 
-def write_task(num: int, seed: int, out: str) -> None:
+def write_task(num: int, seed: int, out: str) -> dict:
   """`num` pictures and conversations; line i (and image i) drawn from the generator seeded
-  (seed, i)."""
+  (seed, i). Returns the set's `chance_levels`."""
   if num is None or num < 1:
     raise cli.UserError(f"--num must be positive, got {num}")
   folder = os.path.join(os.path.dirname(os.path.abspath(out)), image_folder(out))
   errors.check_output_file(out, "out")
   errors.check_output_file(folder, "out", directory=True)
   errors.prepare_output_file(folder, "out", directory=True)
+  pairs = []
   with open(out, "w", encoding="utf-8") as f:
     for i in range(num):
       rng = np.random.default_rng([seed, i])
@@ -133,19 +201,29 @@ def write_task(num: int, seed: int, out: str) -> None:
       name = f"{i:06d}.png"
       render(shapes).save(os.path.join(folder, name))
       image = {"type": "image", "path": f"{image_folder(out)}/{name}"}
+      pairs.append((question, answer(question, shapes)))
       record = {"messages": [
           {"role": "user", "content": [image, {"type": "text", "text": question}]},
-          {"role": "assistant", "content": answer(question, shapes)}], "shapes": shapes}
+          {"role": "assistant", "content": pairs[-1][1]}], "kind": kind_of(question),
+          "shapes": shapes}
       f.write(json.dumps(record) + "\n")
+  return chance_levels(pairs)
 
 
 def main(argv):
   del argv
+  if FLAGS.predictions is not None:
+    if FLAGS.out is not None or FLAGS.num is not None:
+      raise cli.UserError("--predictions reads a run's predictions; it writes no set (drop "
+                          "--out and --num)")
+    print(score_predictions(FLAGS.predictions))
+    return
   if FLAGS.out is None or FLAGS.num is None:
     raise cli.UserError("--num and --out are required")
-  write_task(FLAGS.num, FLAGS.seed, FLAGS.out)
+  levels = write_task(FLAGS.num, FLAGS.seed, FLAGS.out)
   print(f"wrote {FLAGS.num} image questions to {FLAGS.out} (images in "
-        f"{os.path.join(os.path.dirname(FLAGS.out), image_folder(FLAGS.out))})")
+        f"{os.path.join(os.path.dirname(FLAGS.out), image_folder(FLAGS.out))}); chance "
+        f"(each kind's most common answer): {format_chance(levels)}")
 
 
 if __name__ == "__main__":

@@ -385,6 +385,27 @@ def tiny_chat_config(train="", canvas_length=8, num_canvases=2, prompt_len=24, *
   return c
 
 
+def add_vision_tower(config, soft_tokens=16, patch=8, pooling=2, vision=True):
+  """A chat config's model with a tiny vision tower (one layer of width 16; the image
+  processor's sizes from it: `patch` px patches pooled `pooling` x `pooling`, `soft_tokens` per
+  image; none if not `vision`) and the image token ids of its tokenizer (data.tokenizer)."""
+  import ml_collections
+
+  from diffgemma.io import tokenizer as tokenizer_lib
+
+  tok = tokenizer_lib.load_tokenizer(config.data.tokenizer)
+  config.model.vocab_size = max(tok.vocab_size, 264)
+  if vision:
+    config.model.vision = ml_collections.ConfigDict(dict(
+        patch_size=patch, pooling_kernel_size=pooling, default_output_length=soft_tokens,
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8, position_embedding_size=64))
+  if tok.image_token_ids is not None:
+    boi, image, eoi = tok.image_token_ids
+    config.model.update(boi_token_id=boi, image_token_id=image, eoi_token_id=eoi)
+  return config
+
+
 # ----------------------------------------------------------------------------- many CLI cases
 
 

@@ -22,7 +22,6 @@ import os
 import re
 
 import hypothesis
-import ml_collections
 import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
@@ -33,8 +32,8 @@ from diffgemma.runs import checkpointing
 from diffgemma.sampling import sampler
 from diffgemma.tasks import chat_data, make_task, sudoku_puzzles
 from diffgemma.training import loop
-from tests.helpers import (ROOT, run_tool_cases, tiny_chat_config, write_jsonl, write_png,
-                           write_tokenizer_json)
+from tests.helpers import (ROOT, add_vision_tower, run_tool_cases, tiny_chat_config,
+                           write_jsonl, write_png, write_tokenizer_json)
 
 TINY = os.path.join(ROOT, "tests", "tiny_sudoku_config.py")
 USER_ERRORS = cli.user_error_types()
@@ -357,11 +356,7 @@ def vision_config(train="", vision=True, **data):
   processor: 8 px patches pooled 2 x 2, 16 soft tokens a picture; none if not `vision`) and
   two image slots."""
   config = tiny_chat_config(train, **{"tokenizer": "bytes_image", "max_images": 2, **data})
-  config.model.vocab_size = 264
-  if vision:
-    config.model.vision = ml_collections.ConfigDict(dict(
-        patch_size=8, pooling_kernel_size=2, default_output_length=16))
-  return config
+  return add_vision_tower(config, vision=vision)
 
 
 def test_bad_image_data_is_one_line_naming_the_line(tmp_path):

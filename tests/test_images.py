@@ -11,15 +11,14 @@ with Gemma 4's image tokens (tests/helpers.py).
 import json
 import os
 
-import ml_collections
 import numpy as np
 import pytest
 from PIL import Image
 
 from diffgemma.io import image_processing, tokenizer as tokenizer_lib
 from diffgemma.tasks import chat_data, make_task
-from tests.helpers import (load_script, run, tiny_chat_config, write_image_tokenizer,
-                           write_jsonl, write_png)
+from tests.helpers import (add_vision_tower, load_script, run, tiny_chat_config,
+                           write_image_tokenizer, write_jsonl, write_png)
 
 # (height, width): landscape, portrait, square, thin strips that hit the resize's edge cases (a
 # side rounding to 0), one already a multiple of the side, larger ones that shrink.
@@ -86,10 +85,7 @@ def image_config(train="", tokenizer="bytes_image", max_images=2, soft_tokens=16
   """tiny_chat_config with a vision tower in the model section (the image processor's sizes
   from it) and image slots in the layout."""
   config = tiny_chat_config(train, tokenizer=tokenizer, max_images=max_images, **data)
-  config.model.vocab_size = 264
-  config.model.vision = ml_collections.ConfigDict(dict(
-      patch_size=patch, pooling_kernel_size=pooling, default_output_length=soft_tokens))
-  return config
+  return add_vision_tower(config, soft_tokens, patch, pooling)
 
 
 def test_chat_prompt_equals_transformers_processor(tmp_path):
@@ -248,7 +244,7 @@ from configs import sft_chat
 def get_config():
   c = sft_chat.get_config()
   c.data.update(dict(tokenizer="bytes_image", max_images=1, prompt_len=80))
-  c.model.vocab_size = 264
+  c.model.update(dict(vocab_size=264, boi_token_id=261, image_token_id=262, eoi_token_id=263))
   c.model.vision = ml_collections.ConfigDict(dict(
       patch_size=8, pooling_kernel_size=2, default_output_length=16))
   return c

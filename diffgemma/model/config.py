@@ -256,6 +256,25 @@ def gemma_26b_a4b(**overrides: Any) -> ModelConfig:
   return ModelConfig(**overrides)
 
 
+def gemma_26b_a4b_vision_tower(**overrides: Any) -> VisionConfig:
+  """The released 26B-A4B's vision tower (its config.json's vision_config): 27 layers of width
+  1152 (16 heads of 72), MLP 4304, standardized soft tokens, no clipped linears, 16 px patches
+  pooled 3 x 3 into up to 280 soft tokens; 573M parameters with the embedder (the model card's
+  ~550M). transformers' Gemma4VisionConfig defaults (width 768, 16 layers, clipped linears) are
+  the smaller Gemma 4 models' tower."""
+  return VisionConfig(**{**dict(
+      hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+      num_key_value_heads=16, head_dim=72, standardize=True, default_output_length=280),
+      **overrides})
+
+
+def gemma_26b_a4b_vision(**overrides: Any) -> ModelConfig:
+  """The released DiffusionGemma 26B-A4B with its vision tower, bidirectional attention inside
+  each image's placeholders as the larger Gemma 4 models."""
+  return ModelConfig(**{**dict(vision=gemma_26b_a4b_vision_tower(),
+                               use_bidirectional_attention="vision"), **overrides})
+
+
 def tiny(**overrides: Any) -> ModelConfig:
   """A few-hundred-K parameter model for tests: every architectural feature, tiny sizes."""
   defaults = dict(
@@ -266,4 +285,5 @@ def tiny(**overrides: Any) -> ModelConfig:
   return ModelConfig(**defaults)
 
 
-PRESETS = {"gemma_26b_a4b": gemma_26b_a4b, "tiny": tiny}
+PRESETS = {"gemma_26b_a4b": gemma_26b_a4b, "gemma_26b_a4b_vision": gemma_26b_a4b_vision,
+           "tiny": tiny}

@@ -612,20 +612,26 @@ def init_variables(cfg: ModelConfig, rng, std: float | None = None, boxed: bool 
 @functools.cache
 def logical_axes_table() -> dict[str, tuple[str, ...]]:
   """{weight name: logical axes} from the modules' partitioning metadata ("embedding",
-  "attn.q", "experts.gate_up", "self_conditioning.down", ...: the path without "layers_{i}");
-  weights without metadata (norms, scales) are absent. sharding.py reads this."""
+  "attn.q", "experts.gate_up", "self_conditioning.down", the vision tower's "attn.q_proj",
+  "patch_embedder.input_proj", "embed_vision.projection", ...: the weight's module and name,
+  the last two names of its path); weights without metadata (norms, scales, clip bounds) are
+  absent. sharding.py reads this."""
   cfg = ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=4, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=2, global_head_dim=2,
                     num_global_kv_heads=1, num_experts=2, top_k_experts=1,
-                    moe_intermediate_size=2, layer_types=(SLIDING, FULL))
+                    moe_intermediate_size=2, layer_types=(SLIDING, FULL),
+                    vision=vision.VisionConfig(hidden_size=4, intermediate_size=4,
+                                               num_hidden_layers=1, num_attention_heads=1,
+                                               num_key_value_heads=1, head_dim=4,
+                                               position_embedding_size=2))
   boxed = jax.eval_shape(lambda: init_variables(cfg, jax.random.PRNGKey(0), boxed=True))
   table = {}
   leaves = jax.tree_util.tree_flatten_with_path(
       boxed["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
   for path, leaf in leaves:
     if isinstance(leaf, nn.LogicallyPartitioned):
-      names = [str(k.key) for k in path]
-      if names[0].startswith("layers_"):
+      names = [str(k.key) for k in path][-2:]
+      if names[0].startswith("layers_"):  # the embedding: a weight of the model itself
         names = names[1:]
       table[".".join(names)] = tuple(leaf.names)
   return table

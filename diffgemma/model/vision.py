@@ -57,6 +57,18 @@ class Images(NamedTuple):
   position_ids: jnp.ndarray  # [N, P, 2] int, (x, y) per patch, (-1, -1) on padding
 
 
+def batch_images(pixel_values_BxIxMxD, position_ids_BxIxMx2) -> Images:
+  """The `Images` of a batch's image slots (a training batch's `pixel_values` and
+  `image_position_ids`, a held-out set's rows): [B, I, ...] flattened to one row per slot,
+  row-major, which is the order of the rows' placeholders; unused slots are all padding and
+  make no soft token."""
+  pixels, positions = pixel_values_BxIxMxD, position_ids_BxIxMx2
+  chex.assert_rank([pixels, positions], 4)
+  chex.assert_equal_shape_prefix([pixels, positions], 3)
+  return Images(pixels.reshape((-1,) + pixels.shape[2:]),
+                positions.reshape((-1,) + positions.shape[2:]))
+
+
 class ImageTokenError(errors.InputError):
   """A prompt's images cannot go in: its placeholders do not match the images' soft tokens, or
   the model has no vision tower. One-line message."""
@@ -213,9 +225,9 @@ class _ClippedLinears(layers.Module):
   """Shared: declares linear weights and, with use_clipped_linears, their `NAME_clip` bounds
   (a `ClipBounds` assigned as attribute NAME_clip)."""
 
-  def linear_weight(self, name: str, shape):
+  def linear_weight(self, name: str, shape, axes):
     v = self.cfg.vision
-    return self.weight(name, _normal(v.initializer_range), shape, self.cfg.param_dtype)
+    return self.weight(name, _normal(v.initializer_range), shape, self.cfg.param_dtype, axes)
 
   def clip_bounds(self):
     return ClipBounds(self.cfg.param_dtype) if self.cfg.vision.use_clipped_linears else None
@@ -241,10 +253,10 @@ class VisionAttention(_ClippedLinears):
   def setup(self):
     v, dt = self.cfg.vision, self.cfg.param_dtype
     d, h, kv, hd = v.hidden_size, v.num_attention_heads, v.num_key_value_heads, v.head_dim
-    self.q_proj = self.linear_weight("q_proj", (d, h, hd))
-    self.k_proj = self.linear_weight("k_proj", (d, kv, hd))
-    self.v_proj = self.linear_weight("v_proj", (d, kv, hd))
-    self.o_proj = self.linear_weight("o_proj", (h, hd, d))
+    self.q_proj = self.linear_weight("q_proj", (d, h, hd), ("embed", "heads", "head_dim"))
+    self.k_proj = self.linear_weight("k_proj", (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+    self.v_proj = self.linear_weight("v_proj", (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+    self.o_proj = self.linear_weight("o_proj", (h, hd, d), ("heads", "head_dim", "embed"))
     self.q_norm = self.weight("q_norm", initializers.ones_init(), (hd,), dt)
     self.k_norm = self.weight("k_norm", initializers.ones_init(), (hd,), dt)
     self.q_proj_clip, self.k_proj_clip, self.v_proj_clip, self.o_proj_clip = (
@@ -274,9 +286,9 @@ class VisionMLP(_ClippedLinears):
   def setup(self):
     v = self.cfg.vision
     d, f = v.hidden_size, v.intermediate_size
-    self.gate_proj = self.linear_weight("gate_proj", (d, f))
-    self.up_proj = self.linear_weight("up_proj", (d, f))
-    self.down_proj = self.linear_weight("down_proj", (f, d))
+    self.gate_proj = self.linear_weight("gate_proj", (d, f), ("embed", "mlp"))
+    self.up_proj = self.linear_weight("up_proj", (d, f), ("embed", "mlp"))
+    self.down_proj = self.linear_weight("down_proj", (f, d), ("mlp", "embed"))
     self.gate_proj_clip, self.up_proj_clip, self.down_proj_clip = (
         self.clip_bounds() for _ in range(3))
 
@@ -317,10 +329,10 @@ class PatchEmbedder(layers.Module):
   def setup(self):
     v, dt = self.cfg.vision, self.cfg.param_dtype
     self.input_proj = self.weight("input_proj", _normal(v.initializer_range),
-                                  (v.patch_dim, v.hidden_size), dt)
+                                  (v.patch_dim, v.hidden_size), dt, (None, "embed"))
     self.position_embedding_table = self.weight(
         "position_embedding_table", _constant(1.0),
-        (2, v.position_embedding_size, v.hidden_size), dt)
+        (2, v.position_embedding_size, v.hidden_size), dt, (None, None, "embed"))
 
   def __call__(self, pixel_values_NxPxC, position_ids_NxPx2, padding_NxP):
     pixels = (2 * (pixel_values_NxPxC - 0.5)).astype(self.cfg.compute_dtype)
@@ -385,7 +397,8 @@ class MultimodalEmbedder(layers.Module):
   def setup(self):
     v = self.cfg.vision
     self.projection = self.weight("projection", _normal(v.initializer_range),
-                                  (v.hidden_size, self.cfg.hidden_size), self.cfg.param_dtype)
+                                  (v.hidden_size, self.cfg.hidden_size), self.cfg.param_dtype,
+                                  (None, "embed"))
 
   def __call__(self, soft_NxLxDv):
     chex.assert_axis_dimension(soft_NxLxDv, -1, self.cfg.vision.hidden_size)

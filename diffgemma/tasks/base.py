@@ -86,6 +86,18 @@ class PackedLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class ImageSlots:
+  """The image inputs beside each row of a task that reads images: `count` slots (I) of
+  `max_patches` patches (M) of `patch_dim` values (3 * patch_size**2); training batches carry
+  pixel_values [B, I, M, patch_dim] float32 and image_position_ids [B, I, M, 2] int32 (unused
+  slots all padding), held-out `Prompts` the same per row."""
+
+  count: int
+  max_patches: int
+  patch_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Prompts:
   """Sampler inputs and what the task needs to score the replies.
 
@@ -172,6 +184,12 @@ class Task(abc.ABC):
   def min_vocab_size(self) -> int:
     """The smallest model vocabulary that holds every id the task produces."""
     return 0
+
+  @property
+  def image_slots(self) -> ImageSlots | None:
+    """The image inputs beside each row (training batches and held-out prompts), or None: the
+    task is text only."""
+    return None
 
   # ---------------------------------------------------------------- training data
 

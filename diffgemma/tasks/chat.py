@@ -58,7 +58,7 @@ from diffgemma.io import tokenizer as tokenizer_lib
 from diffgemma.runs import checkpointing
 from diffgemma.sampling import sampler
 from diffgemma.tasks import chat_data, packing, text_metrics
-from diffgemma.tasks.base import Layout, PackedLayout, Prompts, RlTask
+from diffgemma.tasks.base import ImageSlots, Layout, PackedLayout, Prompts, RlTask
 
 DEFAULT_REWARD = "exact"
 INFILL_METRIC = "infill_accuracy"  # the headline on infill data
@@ -435,6 +435,14 @@ class ChatTask(RlTask):
   @property
   def min_vocab_size(self) -> int:
     return self.tokenizer.vocab_size
+
+  @property
+  def image_slots(self) -> ImageSlots | None:
+    """data.max_images slots of the image processor's patches (None: max_images = 0)."""
+    if not self.settings.max_images:
+      return None
+    return ImageSlots(self.settings.max_images, self.image_settings.max_patches,
+                      self.image_settings.patch_dim)
 
   # ---------------------------------------------------------------- examples
 
@@ -1015,11 +1023,29 @@ def from_config(config: ml_collections.ConfigDict, training: bool = True,
     if theirs is not None and theirs != ours:
       raise ValueError(f"the tokenizer's {name} id is {ours} but model.{name}_token_id is "
                        f"{theirs}; use the model's own tokenizer")
+  if settings.max_images:
+    check_image_token_ids(tok, model)
   layout = Layout(settings.prompt_len, settings.num_canvases, int(model.canvas_length))
   init_from = config.get("init_from")
   return ChatTask(settings, tok, layout, declared_stop_ids(init_from),
                   image_settings=image_settings(model, init_from, settings.max_soft_tokens),
                   has_vision_tower=model_has_vision_tower(model))
+
+
+def check_image_token_ids(tok, model) -> None:
+  """ValueError (one line) unless a model with a vision tower (a `ModelConfig` or the run
+  config's model section) names the tokenizer's image tokens as its boi / image / eoi ids: its
+  vision tower's soft tokens go where its image_token_id is, so any other id would leave the
+  images unseen. A model without a tower or a tokenizer without image tokens is left to
+  `chat_data.check_images`."""
+  if tok.image_token_ids is None or not model_has_vision_tower(model):
+    return
+  for name, ours in zip(("boi", "image", "eoi"), tok.image_token_ids):
+    theirs = _field(model, f"{name}_token_id")
+    if theirs != ours:
+      raise ValueError(f"the tokenizer's {name} token is id {ours} but model.{name}_token_id is "
+                       f"{theirs}; use the model's own tokenizer (a model trained from scratch: "
+                       f"set model.{name}_token_id={ours})")
 
 
 def checkpoint_task(directory: str, max_new_tokens: int, text: str, chat: bool = True,
@@ -1041,6 +1067,8 @@ def checkpoint_task(directory: str, max_new_tokens: int, text: str, chat: bool =
   if thinking:
     tok.check_thinking_mode("--thinking")
   arch = model_dirs.read_model_config(directory)
+  if images:
+    check_image_token_ids(tok, arch)
   num_canvases = math.ceil(max_new_tokens / arch.canvas_length)
 
   def task(prompt_len: int) -> ChatTask:

@@ -14,6 +14,7 @@ import time
 import jax
 import numpy as np
 
+from diffgemma.model import vision
 from diffgemma.model.config import ModelConfig
 from diffgemma.sampling import sampler
 from diffgemma.tasks.base import Prompts, Task
@@ -67,13 +68,24 @@ def _per_step_means(sums: dict, count_key: str) -> dict:
           for key, value in sums.items()}
 
 
+def prompt_images(prompts: Prompts, rows=None) -> vision.Images | None:
+  """The images of rows `rows` of `prompts` (default all; an index array or a slice) as the
+  sampler and `transformer.encode` take them (`vision.batch_images`), or None without images."""
+  if prompts.pixel_values_NxIxMxD is None:
+    return None
+  rows = slice(None) if rows is None else rows
+  return vision.batch_images(prompts.pixel_values_NxIxMxD[rows],
+                             prompts.image_positions_NxIxMx2[rows])
+
+
 def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, seed: int,
                         progress=None, warmup: bool = False, on_trajectory=None,
                         timing: dict | None = None):
   """Run `generate_fn(params, prompt_BxP, valid_BxP, rng) -> sampler.GenerateOutput` over the
   prompts in fixed-size batches (the last one padded by repetition, so one compiled shape serves
   all). Prompts with fixed tokens (infilling: `Prompts.fixed_NxL`, `fixed_mask_NxL`) pass their
-  rows' as `generate_fn(..., rng, fixed_BxL, fixed_mask_BxL)`.
+  rows' as `generate_fn(..., rng, fixed_BxL, fixed_mask_BxL)`; prompts with images
+  (`prompt_images`) pass their rows' as `generate_fn(..., images=...)`.
 
   Returns (tokens_NxL, per-row stats {key: [N]} (`row_stats`, plus settle_steps), sampler
   seconds). With `warmup`, one untimed
@@ -95,11 +107,15 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
       return ()
     return prompts.fixed_NxL[rows], prompts.fixed_mask_NxL[rows]
 
+  def images(rows):  # the images of these rows, as a keyword argument
+    return {} if prompts.pixel_values_NxIxMxD is None else {"images": prompt_images(prompts, rows)}
+
   if warmup:
     t0 = time.perf_counter()
     jax.block_until_ready(generate_fn(params, prompts.prompt_NxP[:batch_size],
                                       prompts.valid_NxP[:batch_size], rng,
-                                      *fixed(slice(0, batch_size))))
+                                      *fixed(slice(0, batch_size)),
+                                      **images(slice(0, batch_size))))
     calls.append((time.perf_counter() - t0, 0, 0))
   tokens, stats, seconds = [], {}, 0.0
   for start in range(0, n, batch_size):
@@ -108,7 +124,7 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
     padded = np.concatenate([rows, np.full(batch_size - real, rows[-1])])
     t0 = time.perf_counter()
     out = generate_fn(params, prompts.prompt_NxP[padded], prompts.valid_NxP[padded],
-                      jax.random.fold_in(rng, start), *fixed(padded))
+                      jax.random.fold_in(rng, start), *fixed(padded), **images(padded))
     out = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(out))
     call_s = time.perf_counter() - t0
     seconds += call_s

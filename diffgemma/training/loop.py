@@ -152,8 +152,10 @@ def evaluate_and_log(step, params, task: Task, model_cfg, sampler_cfg, prompts, 
                                    seed=step, generate_fn=generate_fn)
   if trace_fn is not None and trace_rows:
     shown = prompts.take(slice(0, trace_rows))
+    images = ({} if shown.pixel_values_NxIxMxD is None
+              else {"images": evaluation.prompt_images(shown)})
     out = jax.device_get(trace_fn(params, shown.prompt_NxP, shown.valid_NxP,
-                                  jax.random.PRNGKey(step)))
+                                  jax.random.PRNGKey(step), **images))
     task.log_traces(writer, step, shown, out.trajectory, rows=range(len(shown)))
   accuracies = sorted((k for k in metrics if k.endswith("accuracy")),
                       key=lambda k: k != task.headline_metric)  # the task's headline first

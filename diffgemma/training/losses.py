@@ -1,8 +1,11 @@
 """The SFT objective: encoder next-token CE + decoder denoising CE with self-conditioning.
 
 A batch holds sequences of P prompt tokens followed by K canvases of C tokens:
-  tokens_BxL (L = P + K*C), valid_BxL (False = padding), loss_mask_BxL (supervised tokens).
-One encoder pass over the clean sequence fills the KV cache that the decoder reads.
+  tokens_BxL (L = P + K*C), valid_BxL (False = padding), loss_mask_BxL (supervised tokens);
+  a task that reads images adds each row's I image slots (`tasks.base.ImageSlots`):
+  pixel_values [B, I, M, 3 p^2] and image_position_ids [B, I, M, 2].
+One encoder pass over the clean sequence (its images' soft tokens over their placeholders) fills
+the KV cache that the decoder reads.
 
 Packed batches (`tasks.base.PackedLayout`: rows of R slots holding up to E whole examples, each
 its prompt then its canvases, with segment ids and positions from 0) give the same objective
@@ -24,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from diffgemma.model import fields, transformer
+from diffgemma.model import fields, transformer, vision
 from diffgemma.model.config import ModelConfig
 from diffgemma.tasks.base import PackedLayout
 from diffgemma.training import diffusion
@@ -117,6 +120,23 @@ def sft_batch_shapes(layout, batch_size: int) -> dict:
                   canvas_start=jax.ShapeDtypeStruct(per_example, jnp.int32),
                   num_canvases=jax.ShapeDtypeStruct(per_example, jnp.int32))
   return shapes
+
+
+def image_batch_shapes(slots, batch_size: int) -> dict:
+  """ShapeDtypeStructs of the image arrays of a batch of `batch_size` rows with the image slots
+  `slots` (a task's `ImageSlots`; None: none)."""
+  if slots is None:
+    return {}
+  shape = (batch_size, slots.count, slots.max_patches)
+  return {"pixel_values": jax.ShapeDtypeStruct(shape + (slots.patch_dim,), jnp.float32),
+          "image_position_ids": jax.ShapeDtypeStruct(shape + (2,), jnp.int32)}
+
+
+def batch_images(batch) -> vision.Images | None:
+  """A batch's images as `transformer.encode` takes them (one row per image slot), or None."""
+  if "pixel_values" not in batch:
+    return None
+  return vision.batch_images(batch["pixel_values"], batch["image_position_ids"])
 
 
 def cross_entropy(logits_BxTxV, targets_BxT):
@@ -257,7 +277,7 @@ def sft_loss(params, cfg: ModelConfig, loss_cfg: LossConfig, layout, batch, rng,
   encode_len = seq_len if loss_cfg.uses_encoder_loss else p + (num_canvases - 1) * c
   cache = transformer.init_cache(cfg, b, encode_len)
   hidden, cache = transformer.encode(params, cfg, tokens[:, :encode_len], cache,
-                                     valid[:, :encode_len])
+                                     valid[:, :encode_len], batch_images(batch))
 
   # Weights multiply the masks that normalized_mean reduces over: a weighted mean.
   weight_BxL = token_weights(tokens, loss_mask, cfg.eos_token_id, loss_cfg.end_weight)

@@ -62,6 +62,17 @@ class Setup:
   def grad_accum_steps(self) -> int:
     return self.train_cfg.grad_accum_steps
 
+  @property
+  def freezes_vision(self) -> bool:
+    """Full fine-tuning of a model with a vision tower under train.freeze_vision: the tower
+    and its embedder are not trained (a LoRA run's base is frozen anyway)."""
+    return freezes_vision(self.run)
+
+
+def freezes_vision(run: run_config.RunConfig) -> bool:
+  """`Setup.freezes_vision` of a typed run config."""
+  return run.train.freeze_vision and not run.lora.enabled and run.model.vision is not None
+
 
 def make_setup(run: run_config.RunConfig, mesh=None) -> Setup:
   train_cfg, lora_cfg = run.train, run.lora
@@ -70,7 +81,7 @@ def make_setup(run: run_config.RunConfig, mesh=None) -> Setup:
       run.optimizer, train_cfg.num_train_steps,
       frozen_router=train_cfg.freeze_router and full,
       lengths=budget.schedule_lengths(train_cfg.fitted_schedule),
-      frozen_vision=train_cfg.freeze_vision and full and run.model.vision is not None)
+      frozen_vision=freezes_vision(run))
   mesh = mesh or sharding.make_mesh(run.sharding)
   return Setup(run, mesh, run.sharding.rules, tx, schedule)
 
@@ -182,6 +193,13 @@ def model_params(trainable, frozen, lora_cfg: lora.LoraConfig, dropout_rng=None)
   if frozen is None:
     return trainable
   return lora.wrap(frozen, trainable, lora_cfg, dropout_rng)
+
+
+def without_vision_gradients(params):
+  """`params` with the vision tower and its embedder behind stop_gradient: a frozen tower
+  (`Setup.freezes_vision`) adds nothing to the gradient norm and runs no backward pass."""
+  return {k: jax.lax.stop_gradient(v) if k in transformer.VISION_SUBTREES else v
+          for k, v in params.items()}
 
 
 # ----------------------------------------------------------------------------- state

@@ -1,9 +1,9 @@
 """The one update step every training stage shares.
 
 `make_update_step` turns a loss function into a jitted, sharded optimizer step with gradient
-accumulation, LoRA (adapters trained on a frozen base) and a finite-or-skip guard. A stage
-(`diffgemma.training.stages`: the `Stage` protocol, SFT, SD·RL) supplies the loss and the
-batches, nothing else.
+accumulation, LoRA (adapters trained on a frozen base), a frozen vision tower and a
+finite-or-skip guard. A stage (`diffgemma.training.stages`: the `Stage` protocol, SFT, SD·RL)
+supplies the loss and the batches, nothing else.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from diffgemma.model import sharding
-from diffgemma.training.training_state import Setup, model_params
+from diffgemma.training.training_state import Setup, model_params, without_vision_gradients
 
 # Stream ids folded into a step's key for randomness outside the loss.
 DROPOUT_STREAM = 1
@@ -43,8 +43,12 @@ def make_update_step(setup: Setup, loss_fn, state_sh=None, frozen_sh=None, batch
   """
   lora_cfg, tx, accum = setup.lora_cfg, setup.tx, setup.grad_accum_steps
 
+  freezes_vision = setup.freezes_vision
+
   def trained_loss(trainable, frozen, batch, rng):
     params = model_params(trainable, frozen, lora_cfg, jax.random.fold_in(rng, DROPOUT_STREAM))
+    if freezes_vision:
+      params = without_vision_gradients(params)
     return loss_fn(params, batch, rng)
 
   grad_fn = jax.value_and_grad(trained_loss, has_aux=True)

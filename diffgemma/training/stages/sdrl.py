@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from diffgemma import errors
 from diffgemma.model import sharding, transformer
 from diffgemma.model.config import ModelConfig
 from diffgemma.runs import distributed, guard
@@ -496,6 +497,10 @@ class SdrlStage:
     if not isinstance(task, RlTask):
       raise ValueError(f"the {task.name} task has no rollout prompts or rewards (it is no "
                        "RlTask): SD·RL cannot train on it; use stage='sft'")
+    if task.image_slots is not None:
+      raise errors.ConfigError("SD·RL does not support image tasks (data.max_images > 0): its "
+                               "rollouts and state replays take no images; train them with "
+                               "stage='sft'")
     self.task, self.setup = task, setup
     self.cfg = settings.cfg
     self.rollout_cfg = settings.rollout_sampler.with_stops(task.stop_token_ids)

@@ -15,7 +15,8 @@ from diffgemma.training import losses
 
 class SftStage:
   """Supervised fine-tuning: the task's batches and `losses.sft_loss` on its layout, or on its
-  packed rows when the task packs (`Task.packing`; a batch is then B rows)."""
+  packed rows when the task packs (`Task.packing`; a batch is then B rows); with its images,
+  for a task that reads them (`Task.image_slots`; image data is never packed)."""
 
   name = "sft"
   update_stream = None
@@ -39,7 +40,8 @@ class SftStage:
                            batch, rng)
 
   def batch_shapes(self):
-    return losses.sft_batch_shapes(self.layout, self.batch_size)
+    return {**losses.sft_batch_shapes(self.layout, self.batch_size),
+            **losses.image_batch_shapes(self.task.image_slots, self.batch_size)}
 
   def start(self, state, frozen, start_step: int, workdir: str):
     del state, frozen
