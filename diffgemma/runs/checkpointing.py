@@ -254,7 +254,7 @@ def save(mngr: Manager, step: int, state) -> None:
         + (f"step {last} in {checkpoint_dir(workdir)}" if last is not None else "none"))
   _wait_for_write(mngr)
   began = time.monotonic()
-  with _write_errors(mngr, step):
+  with write_errors(mngr, step):
     mngr.save(step, args=ocp.args.StandardSave(state))
   mngr.write_started = began  # after a failed start there is no background write to wait for
 
@@ -276,7 +276,7 @@ def finish(mngr: Manager, failed: BaseException | bool | None = None) -> None:
   orbax's stuck threads (errors.leave_threads)."""
   try:
     _wait_for_write(mngr)
-    with _write_errors(mngr):
+    with write_errors(mngr):
       mngr.close()
   except CheckpointWriteError:
     if not failed:
@@ -300,7 +300,7 @@ def _wait_for_write(mngr: Manager) -> None:
       raise _write_error(mngr, None, _timed_out(mngr))
     time.sleep(WAIT_POLL_S)
   mngr.write_started = None
-  with _write_errors(mngr):
+  with write_errors(mngr):
     mngr.wait_until_finished()  # returns at once: it raises the write's failure, if any
 
 
@@ -336,8 +336,9 @@ def _settle(mngr: Manager) -> None:
     pass
 
 
-class _write_errors:
-  """Turn any failure of an orbax write into one CheckpointWriteError line."""
+class write_errors:
+  """Turn any failure of an orbax write, or of a file written beside it, into one
+  CheckpointWriteError line."""
 
   def __init__(self, mngr: Manager, step: int | None = None):
     self.mngr, self.step = mngr, step

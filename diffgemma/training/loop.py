@@ -479,7 +479,9 @@ def _train(config: ml_collections.ConfigDict, run: run_config.RunConfig, task: T
     _check_finite(state, train_cfg, mngr)  # nothing non-finite is ever saved
     totals = seen.totals()
     state = training_state.with_seen(state, totals)
-    provenance.record_train_seconds(workdir, step, totals["train_seconds"])
+    # A full disk met here (the write in flight filled it) is the checkpoint's failure: one line.
+    with checkpointing.write_errors(mngr, step):
+      provenance.record_train_seconds(workdir, step, totals["train_seconds"])
     saved = state if not (frozen is not None and lora_cfg.save_base) else {**state, "base": frozen}
     checkpointing.save(mngr, step, saved)
 
