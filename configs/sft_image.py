@@ -23,6 +23,7 @@ import ml_collections
 
 from configs import base, sft_chat
 from diffgemma.io import tokenizer as tokenizer_lib
+from diffgemma.model.config import VisionConfig
 
 # The byte tokenizer's 261 ids, then Gemma 4's image tokens: begin of image, the soft-token
 # placeholder, end of image.
@@ -39,7 +40,8 @@ def get_config():
   c = sft_chat.get_config()
   c.model = base.small_model(vocab_size=VOCAB, sliding_rope_theta=100.0, canvas_length=CANVAS,
                              boi_token_id=BOI, image_token_id=IMAGE, eoi_token_id=EOI)
-  c.model.vision = ml_collections.ConfigDict(dict(
+  # Every field of the tower is a key (--config.model.vision.KEY=VALUE).
+  c.model.vision = base.section(VisionConfig(
       hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
       num_key_value_heads=4, head_dim=16, patch_size=8, pooling_kernel_size=2,
       position_embedding_size=16, default_output_length=SOFT_TOKENS))
