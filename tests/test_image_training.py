@@ -235,7 +235,9 @@ def test_an_image_run_evaluates_and_samples_its_images(image_run, image_data, tm
   predictions = str(tmp_path / "predictions.jsonl")
   ok = [["--workdir=" + workdir, f"--data={image_data[1]}", f"--predictions={predictions}"]]
   sample_ok = [["--workdir=" + workdir, f"--image={picture}", "--prompt=How many shapes?",
-                "--warm_runs=0"]]
+                "--warm_runs=0"],
+               ["--init_from=" + workdir, f"--image={picture}", "--prompt=How many shapes?",
+                "--warm_runs=0", "--max_new_tokens=8"]]
   bad = [
       (["--workdir=" + workdir, f"--image={tmp_path}/none.png", "--prompt=Which?"], "none.png"),
       (["--workdir=" + workdir, f"--image={unreadable}", "--prompt=Which?"], "broken.png"),
@@ -253,9 +255,11 @@ def test_an_image_run_evaluates_and_samples_its_images(image_run, image_data, tm
   assert result["num_examples"] == 4 and 0.0 <= result["accuracy"] <= 1.0
   records = [json.loads(line) for line in open(predictions)]
   assert [len(r["images"]) for r in records] == [1] * 4
-  assert sampled[0]["code"] == 0, sampled[0]["stderr"][-2000:]
+  for outcome in sampled[:2]:
+    assert outcome["code"] == 0, outcome["stderr"][-2000:]
   assert "final reply" in sampled[0]["stdout"]
-  for (argv, needle), outcome in zip(bad, sampled[1:]):
+  assert "prompt tokens" in sampled[1]["stdout"]  # text mode's summary line
+  for (argv, needle), outcome in zip(bad, sampled[2:]):
     lines = [line for line in outcome["stderr"].splitlines() if line.strip()]
     assert outcome["code"] == 2 and len(lines) == 1 and needle in lines[0], (argv, lines)
   assert sorted(os.listdir(tmp_path)) == before + ["predictions.jsonl"]
