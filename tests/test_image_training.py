@@ -118,6 +118,39 @@ def test_the_tower_is_frozen_unless_asked(image_data, mode):
   assert any(_moved(before, after, "layers.").values())  # the language model trains
 
 
+def test_a_new_tower_tells_pictures_apart(image_data):
+  """From scratch (configs/sft_image.py's tower), the soft tokens of different pictures start
+  apart: the position table starts at normal(initializer_range); at transformers' ones every
+  patch would start from one large shared vector, every soft token nearly the same."""
+  from configs import sft_image
+  from diffgemma.io import image_processing
+  from diffgemma.training import run_config
+
+  cfg = run_config.build(sft_image.get_config()).model
+  folder = os.path.join(os.path.dirname(image_data[1]), "test_images")
+  settings = image_processing.ImageSettings(patch_size=8, pooling_kernel_size=2,
+                                            max_soft_tokens=16)
+  images = image_processing.process_images(
+      [os.path.join(folder, name) for name in sorted(os.listdir(folder))], settings)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  table = params["vision_tower"]["patch_embedder"]["position_embedding_table"]
+  assert abs(float(np.std(table)) - cfg.vision.initializer_range) < 0.005
+
+  def soft_tokens(model):
+    tokens, valid = model.vision_tower(images.pixel_values, images.position_ids)
+    return model.embed_vision(tokens)[valid]
+
+  def mean_cosine(params):
+    soft = np.asarray(transformer.Model(cfg).apply(transformer.to_variables(params),
+                                                   method=soft_tokens))
+    unit = soft / np.linalg.norm(soft, axis=-1, keepdims=True)
+    return float((unit @ unit.T)[np.triu_indices(len(unit), 1)].mean())
+
+  ones = jax.tree_util.tree_map(lambda x: x, params)
+  ones["vision_tower"]["patch_embedder"]["position_embedding_table"] = jnp.ones_like(table)
+  assert mean_cosine(params) < 0.8 and mean_cosine(ones) > 0.99
+
+
 def test_vision_weights_carry_logical_axes():
   """The tower's linears split like the text model's (width on fsdp, heads and MLP on
   tensor), and so do LoRA adapters on them; norms and clip bounds stay whole."""
@@ -202,7 +235,9 @@ def test_an_image_run_evaluates_and_samples_its_images(image_run, image_data, tm
   predictions = str(tmp_path / "predictions.jsonl")
   ok = [["--workdir=" + workdir, f"--data={image_data[1]}", f"--predictions={predictions}"]]
   sample_ok = [["--workdir=" + workdir, f"--image={picture}", "--prompt=How many shapes?",
-                "--warm_runs=0"]]
+                "--warm_runs=0"],
+               ["--init_from=" + workdir, f"--image={picture}", "--prompt=How many shapes?",
+                "--warm_runs=0", "--max_new_tokens=8"]]
   bad = [
       (["--workdir=" + workdir, f"--image={tmp_path}/none.png", "--prompt=Which?"], "none.png"),
       (["--workdir=" + workdir, f"--image={unreadable}", "--prompt=Which?"], "broken.png"),
@@ -220,9 +255,11 @@ def test_an_image_run_evaluates_and_samples_its_images(image_run, image_data, tm
   assert result["num_examples"] == 4 and 0.0 <= result["accuracy"] <= 1.0
   records = [json.loads(line) for line in open(predictions)]
   assert [len(r["images"]) for r in records] == [1] * 4
-  assert sampled[0]["code"] == 0, sampled[0]["stderr"][-2000:]
+  for outcome in sampled[:2]:
+    assert outcome["code"] == 0, outcome["stderr"][-2000:]
   assert "final reply" in sampled[0]["stdout"]
-  for (argv, needle), outcome in zip(bad, sampled[1:]):
+  assert "prompt tokens" in sampled[1]["stdout"]  # text mode's summary line
+  for (argv, needle), outcome in zip(bad, sampled[2:]):
     lines = [line for line in outcome["stderr"].splitlines() if line.strip()]
     assert outcome["code"] == 2 and len(lines) == 1 and needle in lines[0], (argv, lines)
   assert sorted(os.listdir(tmp_path)) == before + ["predictions.jsonl"]

@@ -237,18 +237,31 @@ def test_make_image_task(tmp_path):
   assert task.overflow_counts[out].examples == 12
 
 
-IMAGE_RECIPE = """import ml_collections
-from configs import sft_chat
-
-
-def get_config():
-  c = sft_chat.get_config()
-  c.data.update(dict(tokenizer="bytes_image", max_images=1, prompt_len=80))
-  c.model.update(dict(vocab_size=264, boi_token_id=261, image_token_id=262, eoi_token_id=263))
-  c.model.vision = ml_collections.ConfigDict(dict(
-      patch_size=8, pooling_kernel_size=2, default_output_length=16))
-  return c
-"""
+def test_image_task_chance_levels(tmp_path):
+  """Each line names its kind of question; a set's chance is each kind's most common answer's
+  share (as written, and of eval.py's predictions on it, beside their accuracy per kind)."""
+  script = load_script("make_image_task")
+  out = str(tmp_path / "set.jsonl")
+  levels = script.write_task(num=60, seed=5, out=out)
+  records = [json.loads(line) for line in open(out, encoding="utf-8")]
+  pairs = [(r["messages"][0]["content"][1]["text"], r["messages"][1]["content"]) for r in records]
+  assert [r["kind"] for r in records] == [script.kind_of(q) for q, _ in pairs]
+  for kind in script.QUESTIONS:
+    answers = [a for q, a in pairs if script.kind_of(q) == kind]
+    top = max(set(answers), key=answers.count)
+    assert levels[kind] == {"examples": len(answers), "answer": levels[kind]["answer"],
+                            "chance": answers.count(top) / len(answers)}
+    assert answers.count(levels[kind]["answer"]) == answers.count(top)
+  assert levels["overall"]["chance"] == pytest.approx(
+      sum(levels[k]["chance"] * levels[k]["examples"] for k in script.QUESTIONS) / 60)
+  predictions = tmp_path / "predictions.jsonl"  # right on the colour questions only
+  predictions.write_text("".join(json.dumps({"prompt": q, "reference": a,
+                                             "correct": script.kind_of(q) == "colour"}) + "\n"
+                                 for q, a in pairs))
+  table = script.score_predictions(str(predictions)).splitlines()
+  row = {line.split()[0]: line.split()[1:] for line in table[1:]}
+  assert row["colour"][1] == "100.0%" and row["count"][1] == "0.0%"
+  assert row["overall"][2] == f"{levels['overall']['chance']:.1%}"
 
 
 def test_show_examples_images(tmp_path):
@@ -256,9 +269,7 @@ def test_show_examples_images(tmp_path):
   count and file; --json lists the files."""
   data = str(tmp_path / "shapes.jsonl")
   load_script("make_image_task").write_task(num=2, seed=1, out=data)
-  recipe = tmp_path / "recipe.py"
-  recipe.write_text(IMAGE_RECIPE)
-  r = run("scripts/show_examples.py", f"--config={recipe}", f"--data={data}", "--num=1")
+  r = run("scripts/show_examples.py", "--config=sft_image", f"--data={data}", "--num=1")
   assert r.returncode == 0, r.stderr
   image = str(tmp_path / "shapes_images" / "000000.png")
   question = json.loads(open(data, encoding="utf-8").readline())["messages"][0]["content"][1]

@@ -330,8 +330,12 @@ class PatchEmbedder(layers.Module):
     v, dt = self.cfg.vision, self.cfg.param_dtype
     self.input_proj = self.weight("input_proj", _normal(v.initializer_range),
                                   (v.patch_dim, v.hidden_size), dt, (None, "embed"))
+    # normal(initializer_range), where transformers starts the table at ones: a pretrained
+    # tower overwrites it, but a tower trained from scratch would start every patch from the
+    # same large vector (the pooled soft tokens of any two pictures at cosine 0.998) and, over
+    # a 30-minute CPU run, barely learn to see past it.
     self.position_embedding_table = self.weight(
-        "position_embedding_table", _constant(1.0),
+        "position_embedding_table", _normal(v.initializer_range),
         (2, v.position_embedding_size, v.hidden_size), dt, (None, None, "embed"))
 
   def __call__(self, pixel_values_NxPxC, position_ids_NxPx2, padding_NxP):
