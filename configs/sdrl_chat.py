@@ -50,6 +50,7 @@ def get_config(variant: str = "count"):
       # "final": each state toward its trajectory's final canvas; "verified": toward a right
       # canvas (its own when the verifier says correct, else the task's reference reply).
       "target": "final",
+      "certainty_weight": 0.0,  # entropy of right predictions on the states (dParallel)
       "anchor": "sft",  # "none" | "kl" | "sft" (the SFT loss on the training data)
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,

@@ -47,6 +47,7 @@ def get_config():
       "target": "final",
       # "none" | "kl" (to the initial parameters, on the trained states) | "sft" (the SFT loss on
       # c.data's puzzles): the anchor keeps the few points of accuracy fine-tuning starts lose.
+      "certainty_weight": 0.0,  # entropy of right predictions on the states (dParallel)
       "anchor": "sft",
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,

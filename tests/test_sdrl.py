@@ -347,16 +347,20 @@ def brute_force_states(traj, cfg: sdrl.SdrlConfig, num: int, p: int, c: int, tok
   return step, target, state_canvas, prefix
 
 
-@pytest.mark.parametrize("selection, norm, neg_weight, clip, reward_weight, accum, target", [
-    ("first_k", "group_std", 0.25, 0.0, 1.0, 1, "final"),
-    ("last_k", "group_mean", 1.0, 0.3, 0.0, 2, "final"),
-    ("all", "none", 0.0, 0.0, 0.5, 1, "final"),
-    ("first_k", "none", 1.0, 0.0, 0.0, 1, "verified")])
+@pytest.mark.parametrize(
+    "selection, norm, neg_weight, clip, reward_weight, accum, target, certainty", [
+        ("first_k", "group_std", 0.25, 0.0, 1.0, 1, "final", 0.0),
+        ("last_k", "group_mean", 1.0, 0.3, 0.0, 2, "final", 0.7),
+        ("all", "none", 0.0, 0.0, 0.5, 1, "final", 0.0),
+        ("first_k", "none", 1.0, 0.0, 0.0, 1, "verified", 2.0)])
 def test_prepared_weights_and_targets_equal_a_brute_force(rollout, selection, norm, neg_weight,
-                                                          clip, reward_weight, accum, target):
+                                                          clip, reward_weight, accum, target,
+                                                          certainty):
   """From a fixed rollout and fixed rewards, the states, targets, weights and normaliser that
   sdrl_loss trains on equal a loop-by-loop float64 computation, and so does the loss:
-  sum over valid states of weight x mean CE toward the final canvas, over the valid count.
+  sum over valid states of weight x mean CE toward the final canvas, over the valid count, and
+  the certainty term: sum over valid states of max(weight, 0) x the mean over the canvas of
+  the entropy at positions whose argmax is the target (0 elsewhere), over the same count.
   "verified": rows 1 and 3 are wrong; row 1's reference differs from its committed tokens in
   the second canvas only, row 3's in the first: row 1 keeps states on canvases 0 and 1 (those
   it ran), row 3 on canvas 0 only."""
@@ -366,7 +370,7 @@ def test_prepared_weights_and_targets_equal_a_brute_force(rollout, selection, no
   cfg = sdrl.SdrlConfig(group_size=base.group_size, prompts_per_rollout=base.prompts_per_rollout,
                         states_per_trajectory=2, state_selection=selection, advantage_norm=norm,
                         negative_advantage_weight=neg_weight, advantage_clip=clip,
-                        reward_weight=reward_weight)
+                        reward_weight=reward_weight, certainty_weight=certainty)
   prompt, valid = rollout["prompt"], rollout["valid"]
   b, p, c = prompt.shape[0], prompt.shape[1], model_cfg.canvas_length
   rewards_B = np.array([0.75, 0.0, 1.0, 1.0])[:b]  # a group with a spread, one without
@@ -409,7 +413,7 @@ def test_prepared_weights_and_targets_equal_a_brute_force(rollout, selection, no
   _, metrics = loss_fn(params, model_cfg, cfg, losses.LossConfig(), batch, jax.random.PRNGKey(0))
   cache = jax.jit(sdrl.encode_context, static_argnums=1)(
       params, model_cfg, prompt, valid, sdrl.context_tokens(out.tokens, model_cfg))
-  total = 0.0
+  total = certain = 0.0
   for (row, s), pick in step.items():
     if pick < 0:
       continue
@@ -420,7 +424,18 @@ def test_prepared_weights_and_targets_equal_a_brute_force(rollout, selection, no
     logp = log_softmax64(logits)[0]
     ce = -np.mean([logp[i, targets[row, s][i]] for i in range(c)])
     total += expected_weight[row] * ce
+    entropy = [-np.sum(np.exp(logp[i]) * logp[i]) if np.argmax(logp[i]) == targets[row, s][i]
+               else 0.0 for i in range(c)]
+    certain += max(expected_weight[row], 0.0) * np.mean(entropy)
   np.testing.assert_allclose(float(metrics["policy_loss"]), total / (count / accum), rtol=1e-5)
+  if certainty:
+    np.testing.assert_allclose(float(metrics["certainty_loss"]), certain / (count / accum),
+                               rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(float(metrics["loss"]), float(metrics["policy_loss"])
+                               + certainty * float(metrics["certainty_loss"]), rtol=1e-6)
+    assert certain > 0  # some predictions are right, so the term is not vacuous
+  else:
+    assert "certainty_loss" not in metrics
 
 
 def test_fused_step_self_conditioning_is_its_carried_embedding(params):

@@ -397,10 +397,12 @@ def sweep_table(points: list[SweepPoint], metric: str) -> tuple[list[str], list[
   return header, rows
 
 
-def plot_sweep(points: list[SweepPoint], metric: str, path: str) -> tuple[int, int]:
+def plot_sweep(points: list[SweepPoint], metric: str, path: str,
+               title: str | None = None) -> tuple[int, int]:
   """`metric` against tokens per forward, one line per swept key (its points in sweep order,
   each labelled with its value); a PNG of one PANEL_W_IN x PANEL_H_IN panel (doubled) at DPI
-  written to `path`; returns its size in pixels."""
+  written to `path`; returns its size in pixels. Fronts of several checkpoints
+  (scripts/plot_fronts.py) pass each checkpoint's label as the points' key."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -419,7 +421,7 @@ def plot_sweep(points: list[SweepPoint], metric: str, path: str) -> tuple[int, i
     for p, xi, yi in zip(line, x, y):
       ax.annotate(format_value(p.value), (xi, yi), textcoords="offset points", xytext=(4, 4),
                   fontsize=7, color=color)
-  _style(ax, f"{metric} vs TPF (sampler sweep)", "tokens per forward (TPF)", metric)
+  _style(ax, title or f"{metric} vs TPF (sampler sweep)", "tokens per forward (TPF)", metric)
   ax.legend(fontsize=7, loc="best")
   fig.tight_layout()
   fig.savefig(path, dpi=DPI)

@@ -81,6 +81,12 @@ class SdrlConfig:
     to reach a right canvas from where the sampler actually was; a wrong row's canvas counts
     only while the canvases committed before it equal the reference's (the reference is the
     right continuation of a right context only).
+  certainty_weight: beta of the certainty term (certainty-forcing, as in dParallel): the mean
+    entropy of the decoder's prediction at each state's positions whose argmax already equals
+    the target, weighted as the CE (negative weights count as 0). The sampler accepts positions
+    and stops a canvas by their entropy (`sampler.entropy_bounded_accept`, the stop test's
+    `confidence_threshold`), so states made certain where they are right are steps saved; the
+    CE alone stops pushing once p(target) is near 1 (its logit gradient is 1 - p). 0 = off.
   anchor: "none"; "kl" KL(reference || model) of the decoder on the trained states, the
     reference being the initial parameters; "sft" the SFT loss on the task's training data
     (`anchor_batch_size` examples per update). Weighted by anchor_weight.
@@ -99,6 +105,7 @@ class SdrlConfig:
   reward_weight: float = 0.0
   cell_weighting: str = "none"
   target: str = "final"
+  certainty_weight: float = 0.0
   anchor: str = "none"
   anchor_weight: float = 0.0
   anchor_batch_size: int = 16
@@ -120,7 +127,8 @@ class SdrlConfig:
       raise ValueError("group-relative advantages need sdrl.group_size >= 2")
     if self.advantage_eps <= 0:
       raise ValueError("sdrl.advantage_eps must be positive")
-    for name in ("negative_advantage_weight", "advantage_clip", "reward_weight", "anchor_weight"):
+    for name in ("negative_advantage_weight", "advantage_clip", "reward_weight", "anchor_weight",
+                 "certainty_weight"):
       if getattr(self, name) < 0:
         raise ValueError(f"sdrl.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -409,12 +417,16 @@ def _decoder_logits(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg, b
 
 def sdrl_loss(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg: losses.LossConfig,
               batch: dict, rng, reference_params=None, anchor_batch=None, anchor_layout=None):
-  """(loss, metrics): weighted decoder CE toward the final canvases, plus the anchor.
+  """(loss, metrics): weighted decoder CE toward the final canvases, the certainty term and the
+  anchor.
 
-  loss = sum_{b,s} w_b * CE_{b,s} / norm + anchor_weight * anchor, with w the rows' weights
+  loss = sum_{b,s} (w_b * CE_{b,s} + beta * max(w_b, 0) * H_{b,s}) / norm
+         + anchor_weight * anchor, with w the rows' weights
   (`advantages`), CE_{b,s} the mean over the canvas of the decoder's CE toward state (b, s)'s
   final canvas (each token times its token_weight when the batch has them), summed over valid
-  states, and norm = batch["norm_B"] (the whole batch's valid-state count per micro-batch).
+  states, H_{b,s} the mean over the canvas of the prediction's entropy at positions whose argmax
+  equals the target (0 elsewhere), beta = certainty_weight, and norm = batch["norm_B"] (the
+  whole batch's valid-state count per micro-batch).
   """
   decode_rng, anchor_rng = jax.random.split(rng)
   logits_UxCxV, inputs = _decoder_logits(params, model_cfg, cfg, loss_cfg, batch, decode_rng)
@@ -431,6 +443,14 @@ def sdrl_loss(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg: losses.
   correct_UxC = jnp.argmax(logits_UxCxV, axis=-1) == target_UxC
   metrics = {"policy_loss": policy_loss, "state_ce": losses.masked_mean(ce_U, valid_U),
              "state_token_accuracy": losses.masked_mean(jnp.mean(correct_UxC, -1), valid_U)}
+  certainty = jnp.zeros(())
+  if cfg.certainty_weight:
+    # Entropy only where the prediction is already right: certainty there cannot commit an error.
+    entropy_UxC = sampler.token_entropy(logits_UxCxV) * correct_UxC
+    if "token_weight_BxSxC" in batch:
+      entropy_UxC = entropy_UxC * batch["token_weight_BxSxC"].reshape(b * s, -1)
+    certainty = jnp.sum(jnp.maximum(weight_U, 0) * jnp.mean(entropy_UxC, axis=-1)) / norm
+    metrics["certainty_loss"] = certainty
   anchor = jnp.zeros(())
   if cfg.anchor == "kl":
     ref_logits_UxCxV, _ = _decoder_logits(reference_params, model_cfg, cfg, loss_cfg, batch,
@@ -444,7 +464,7 @@ def sdrl_loss(params, model_cfg: ModelConfig, cfg: SdrlConfig, loss_cfg: losses.
                                 anchor_rng)
   if cfg.anchor != "none":
     metrics["anchor"] = anchor
-  total = policy_loss + cfg.anchor_weight * anchor
+  total = policy_loss + cfg.certainty_weight * certainty + cfg.anchor_weight * anchor
   metrics["loss"] = total
   return total, metrics
 
