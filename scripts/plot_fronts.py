@@ -52,11 +52,12 @@ def main(argv):
   metric = metrics.pop()
   points = [compare.SweepPoint(label, p["value"], p["metrics"])
             for label, scan in scans for p in scan["points"]]
+  # sweep_table's first column is each point's key, here its checkpoint's label; the scanned
+  # sampler key goes beside it.
   header, rows = compare.sweep_table(points, metric)
-  header[0] = "checkpoint"
-  keys = [f"{p['key']}" for _, scan in scans for p in scan["points"]]
-  print(compare.markdown(header[:1] + ["sampler key"] + header[1:],
-                         [row[:1] + [key] + row[1:] for row, key in zip(rows, keys)]))
+  scanned = [p["key"] for _, scan in scans for p in scan["points"]]
+  print(compare.markdown(["checkpoint", "sampler key"] + header[1:],
+                         [row[:1] + [key] + row[1:] for row, key in zip(rows, scanned)]))
   if _OUT.value:
     errors.prepare_output_file(_OUT.value, "out")
     width, height = compare.plot_sweep(points, metric, _OUT.value,
