@@ -17,7 +17,7 @@ prediction is written as one JSON line to DIR/predictions/<file>-step<N>.jsonl (
 --init_from, to --predictions if given). `--sampler.KEY=VALUE` overrides any field of the run's
 sampler (diffgemma.sampling.sampler.SamplerConfig). The last line printed is one JSON object of
 metrics; its "headline_metric" names the task's main one, and it carries the latency
-(cold_seconds: the first call, compilation included; warm_seconds: a later call's mean;
+(cold_seconds: the calls that compiled, one per prompt width; warm_seconds: a later call's mean;
 seconds_per_canvas; tokens_per_second_warm; training/evaluation.latency_metrics) and the device
 (kind, jax version, CPU and accelerator model).
 
@@ -70,6 +70,10 @@ _SCAN = flags.DEFINE_multi_string(
 _RENAMED_SWEEP = flags.DEFINE_multi_string("sweep", [], "Renamed: use --scan.")
 _OUT = flags.DEFINE_string("out", None, "With --scan: directory for scan.md, scan.png and "
                            "scan.json.")
+_LENGTH_BUCKETS = flags.DEFINE_bool(
+    "length_buckets", True, "Batch the prompts longest first and cut each batch's left padding "
+    "to the smallest of P, P/2, P/4, P/8 that holds it (at most 4 compiled prompt shapes; "
+    "training/evaluation.generate_in_batches). --nolength_buckets pads every batch to P.")
 _TRAJECTORY = flags.DEFINE_bool(
     "trajectory_stats", False, "Record the sampler's trajectories; add settle_steps_per_canvas "
     "(the mean step from which the argmax canvas stopped changing), sampler_profile (any task, "
@@ -164,11 +168,11 @@ def main(argv):
             disable=not distributed.primary()) as bar:
     metrics, predictions = evaluation.evaluate(
         run.task, run.params, run.model_cfg, run.sampler_cfg, prompts, batch, seed=_SEED.value,
-        progress=bar, warmup=True)
+        progress=bar, warmup=True, length_buckets=_LENGTH_BUCKETS.value)
   if seen_paths:
     metrics.update(run.task.seen_split(predictions, seen_paths))
   metrics.update(checkpoint_step=run.step, data=os.path.abspath(_DATA.value),
-                 quantize=_QUANTIZE.value or "none",
+                 quantize=_QUANTIZE.value or "none", length_buckets=_LENGTH_BUCKETS.value,
                  headline_metric=run.task.headline_metric_for(prompts),
                  sampler_overrides=sampler_overrides, device=provenance.device_info())
   path = _PREDICTIONS.value
@@ -204,7 +208,8 @@ def run_scan(run, prompts, batch: int, points, sampler_overrides: dict, device: 
     with tqdm(total=len(prompts), desc=f"{key}={value}", unit="example",
               disable=not distributed.primary()) as bar:
       metrics, _ = evaluation.evaluate(run.task, run.params, run.model_cfg, sampler_cfg, prompts,
-                                       batch, seed=_SEED.value, progress=bar, warmup=True)
+                                       batch, seed=_SEED.value, progress=bar, warmup=True,
+                                       length_buckets=_LENGTH_BUCKETS.value)
     metrics.pop("step_profile", None)
     metrics.pop("sampler_profile", None)
     results.append(compare.SweepPoint(key, value, metrics))

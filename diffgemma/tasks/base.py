@@ -150,6 +150,49 @@ class Prompts:
     """Each row `times` times in a row (SD·RL groups): row i becomes rows i*G .. i*G+G-1."""
     return self.take(np.repeat(np.arange(len(self)), times))
 
+  def cut_to(self, width: int) -> Prompts:
+    """These prompts in their last `width` slots (`needed_widths`); ValueError (one line) if
+    that would cut a valid slot."""
+    p = self.prompt_NxP.shape[1]
+    if width >= p:
+      return self
+    if self.valid_NxP[:, :p - width].any():
+      raise ValueError(f"cannot cut prompts to {width} slots: the longest needs "
+                       f"{int(self.needed_widths().max())}")
+    return dataclasses.replace(self, prompt_NxP=self.prompt_NxP[:, p - width:],
+                               valid_NxP=self.valid_NxP[:, p - width:])
+
+  def needed_widths(self) -> np.ndarray:
+    """[N] int: the prompt slots each row needs, from its first valid slot to the end (the
+    left padding before it can be cut; 0 for a row with no valid slot)."""
+    p = self.valid_NxP.shape[1]
+    first_N = np.argmax(self.valid_NxP, axis=1)
+    return np.where(self.valid_NxP.any(axis=1), p - first_N, 0)
+
+
+# Prompt widths a batch of left-padded prompts is cut to (`prompt_widths`): P, P/2, P/4, P/8
+# (rounded up to 16), so one run compiles at most this many sampler programs per batch size.
+PROMPT_WIDTH_LEVELS = 4
+
+
+def prompt_widths(full: int, levels: int = PROMPT_WIDTH_LEVELS) -> tuple[int, ...]:
+  """The widths (ascending, the last `full`) a batch of `full`-slot prompts may be cut to:
+  full / 2**k rounded up to a multiple of 16, k < levels. A batch takes the smallest that
+  holds its longest prompt, so the compiled shapes stay at most `levels`, and a batch wider
+  than the smallest keeps under about half its width as left padding."""
+  widths = {full}
+  for k in range(1, levels):
+    width = -(-full // 2 ** k)  # ceil
+    width = -(-width // 16) * 16
+    if width < full:
+      widths.add(width)
+  return tuple(sorted(widths))
+
+
+def prompt_width(longest: int, full: int, levels: int = PROMPT_WIDTH_LEVELS) -> int:
+  """The smallest of `prompt_widths(full, levels)` that holds `longest` slots."""
+  return next(w for w in prompt_widths(full, levels) if w >= min(longest, full))
+
 
 class Task(abc.ABC):
   """One task for SFT, evaluation and sampling: data, held-out metrics, text in and out.

@@ -17,7 +17,7 @@ import numpy as np
 from diffgemma.model import vision
 from diffgemma.model.config import ModelConfig
 from diffgemma.sampling import sampler
-from diffgemma.tasks.base import Prompts, Task
+from diffgemma.tasks.base import Prompts, Task, prompt_width
 
 # The sampler's per-row statistics (`sampler.GenerateOutput` fields, [B] each) that the
 # evaluation keeps and means (`row_stats`).
@@ -80,56 +80,74 @@ def prompt_images(prompts: Prompts, rows=None) -> vision.Images | None:
 
 def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, seed: int,
                         progress=None, warmup: bool = False, on_trajectory=None,
-                        timing: dict | None = None):
+                        timing: dict | None = None, length_buckets: bool = True):
   """Run `generate_fn(params, prompt_BxP, valid_BxP, rng) -> sampler.GenerateOutput` over the
   prompts in fixed-size batches (the last one padded by repetition, so one compiled shape serves
   all). Prompts with fixed tokens (infilling: `Prompts.fixed_NxL`, `fixed_mask_NxL`) pass their
   rows' as `generate_fn(..., rng, fixed_BxL, fixed_mask_BxL)`; prompts with images
   (`prompt_images`) pass their rows' as `generate_fn(..., images=...)`.
 
+  Per-batch lengths (`length_buckets`): rows go longest prompt first (ties in their order) and
+  each batch's prompts are cut to the smallest of `base.prompt_widths` that holds its longest
+  one, dropping left padding only; so at most PROMPT_WIDTH_LEVELS prompt shapes compile. The
+  sampler's positions are slot indices and attention sees only relative ones, so a cut row's
+  reply is the uncut row's up to float rounding; its random draws are those of the batch it
+  lands in (batch b draws with fold_in(key, b * batch_size)). A task whose prompts fill P
+  (Sudoku) keeps its order and batches exactly.
+
   Returns (tokens_NxL, per-row stats {key: [N]} (`row_stats`, plus settle_steps), sampler
-  seconds). With `warmup`, one untimed
-  call compiles first. When the sampler records trajectories, each row also gets settle_steps
+  seconds), in the prompts' order. With `warmup`, one untimed call per prompt width compiles
+  first. When the sampler records trajectories, each row also gets settle_steps
   (`sampler.settle_steps`, averaged over the canvases it ran), and `on_trajectory(rows, traj)`
-  sees each batch's trajectory cut to its real rows (e.g. to accumulate a step profile).
+  sees each batch's trajectory cut to its real rows (`rows`: their indices in `prompts`).
   `timing`, a dict when given, receives the latency of each call (`latency_metrics` reads it):
-  cold_seconds (the first call: the warmup, else the first batch; compilation included),
-  warm_seconds_B [calls] (every later call), warm_tokens [calls] (non-pad tokens of the real
+  cold_seconds (the calls that compiled: the warmups, else each width's first batch),
+  warm_seconds_B [calls] (every other call), warm_tokens [calls] (non-pad tokens of the real
   rows) and warm_canvases [calls] (canvases the call ran: the most any of its rows needed).
   """
   n = len(prompts)
   batch_size = min(batch_size, n)
   rng = jax.random.PRNGKey(seed)
-  calls = []  # (seconds, tokens, canvases) of every timed call, in order
-
-  def fixed(rows):  # infilling's fixed tokens of these rows, as extra arguments
-    if prompts.fixed_NxL is None:
-      return ()
-    return prompts.fixed_NxL[rows], prompts.fixed_mask_NxL[rows]
-
-  def images(rows):  # the images of these rows, as a keyword argument
-    return {} if prompts.pixel_values_NxIxMxD is None else {"images": prompt_images(prompts, rows)}
-
-  if warmup:
-    t0 = time.perf_counter()
-    jax.block_until_ready(generate_fn(params, prompts.prompt_NxP[:batch_size],
-                                      prompts.valid_NxP[:batch_size], rng,
-                                      *fixed(slice(0, batch_size)),
-                                      **images(slice(0, batch_size))))
-    calls.append((time.perf_counter() - t0, 0, 0))
-  tokens, stats, seconds = [], {}, 0.0
+  full = prompts.prompt_NxP.shape[1]
+  needed_N = prompts.needed_widths()
+  order = np.argsort(-needed_N, kind="stable") if length_buckets else np.arange(n)
+  batches = []  # (first index in order, rows, prompt width)
   for start in range(0, n, batch_size):
-    rows = np.arange(start, min(start + batch_size, n))
+    rows = order[start:start + batch_size]
+    width = prompt_width(int(needed_N[rows].max()), full) if length_buckets else full
+    batches.append((start, rows, width))
+
+  def call(rows, width, key):
+    batch = prompts.take(np.concatenate([rows, np.full(batch_size - len(rows), rows[-1])]))
+    batch = batch.cut_to(width)
+    fixed = () if batch.fixed_NxL is None else (batch.fixed_NxL, batch.fixed_mask_NxL)
+    images = {} if batch.pixel_values_NxIxMxD is None else {"images": prompt_images(batch)}
+    return generate_fn(params, batch.prompt_NxP, batch.valid_NxP, key, *fixed, **images)
+
+  cold, warm = [], []  # seconds of the compiling calls; (seconds, tokens, canvases) of the rest
+  compiled = set()
+  if warmup:
+    for _, rows, width in batches:
+      if width not in compiled:
+        t0 = time.perf_counter()
+        jax.block_until_ready(call(rows, width, rng))
+        cold.append(time.perf_counter() - t0)
+        compiled.add(width)
+  tokens, stats, seconds = [None] * n, {}, 0.0
+  for start, rows, width in batches:
     real = len(rows)
-    padded = np.concatenate([rows, np.full(batch_size - real, rows[-1])])
     t0 = time.perf_counter()
-    out = generate_fn(params, prompts.prompt_NxP[padded], prompts.valid_NxP[padded],
-                      jax.random.fold_in(rng, start), *fixed(padded), **images(padded))
+    out = call(rows, width, jax.random.fold_in(rng, start))
     out = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(out))
     call_s = time.perf_counter() - t0
     seconds += call_s
-    calls.append((call_s, int(np.sum(out.num_tokens[:real])), int(np.max(out.num_canvases))))
-    tokens.append(out.tokens[:real])
+    if width in compiled:
+      warm.append((call_s, int(np.sum(out.num_tokens[:real])), int(np.max(out.num_canvases))))
+    else:
+      cold.append(call_s)
+      compiled.add(width)
+    for i, row_tokens in zip(rows, out.tokens[:real]):
+      tokens[i] = row_tokens
     row = row_stats(out)
     if out.trajectory is not None:
       settle_KxB = np.asarray(sampler.settle_steps(out.trajectory))
@@ -137,24 +155,22 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
       if on_trajectory is not None:
         on_trajectory(rows, jax.tree_util.tree_map(lambda x: x[:, :, :real], out.trajectory))
     for key, value in row.items():
-      stats.setdefault(key, []).append(value[:real])
+      stats.setdefault(key, np.zeros(n, np.asarray(value).dtype))[rows] = value[:real]
     if progress is not None:
       progress.update(real)
-  stats = {k: np.concatenate(v) for k, v in stats.items()}
   if timing is not None:
-    warm = calls[1:]
-    timing.update(cold_seconds=calls[0][0],
+    timing.update(cold_seconds=float(np.sum(cold)),
                   warm_seconds_B=np.asarray([c[0] for c in warm], np.float64),
                   warm_tokens=np.asarray([c[1] for c in warm], np.int64),
                   warm_canvases=np.asarray([c[2] for c in warm], np.int64))
-  return np.concatenate(tokens), stats, seconds
+  return np.stack(tokens), stats, seconds
 
 
 def latency_metrics(timing: dict, batch_size: int) -> dict:
-  """Latency a user can trust, from `generate_in_batches`' timing: the cold call apart.
+  """Latency a user can trust, from `generate_in_batches`' timing: the cold calls apart.
 
-  cold_seconds: the first call (compilation included); warm_seconds: the mean of the later
-  calls (one reply when batch_size is 1, else a batch of replies decoded together);
+  cold_seconds: the calls that compiled (one per prompt width); warm_seconds: the mean of the
+  other calls (one reply when batch_size is 1, else a batch of replies decoded together);
   seconds_per_canvas: warm seconds over the canvases those calls ran; tokens_per_second_warm:
   their non-pad tokens over their seconds; warm_calls and latency_batch_size (rows per call).
   Without a warm call (one batch, no warmup) the warm figures are None.
@@ -212,8 +228,9 @@ def check_prompts(prompts: Prompts, model_cfg: ModelConfig, sampler_cfg: sampler
 
 def evaluate(task: Task, params, model_cfg: ModelConfig, sampler_cfg: sampler.SamplerConfig,
              prompts: Prompts, batch_size: int, seed: int = 0, generate_fn=None, progress=None,
-             warmup: bool = False) -> tuple[dict, list[dict]]:
-  """(metrics, predictions) of the model on a held-out set.
+             warmup: bool = False, length_buckets: bool = True) -> tuple[dict, list[dict]]:
+  """(metrics, predictions) of the model on a held-out set, batched by `generate_in_batches`
+  (with per-batch prompt widths unless `length_buckets` is False).
 
   metrics: the task's (`Task.score`) plus `sampler_metrics`, `latency_metrics` and
   num_examples; a sampler that
@@ -235,7 +252,7 @@ def evaluate(task: Task, params, model_cfg: ModelConfig, sampler_cfg: sampler.Sa
   timing = {}
   tokens, stats, seconds = generate_in_batches(
       params, generate_fn, prompts, batch_size, seed, progress, warmup,
-      on_trajectory if sampler_cfg.record_trajectory else None, timing)
+      on_trajectory if sampler_cfg.record_trajectory else None, timing, length_buckets)
   metrics, predictions = task.score(prompts, tokens, stats)
   metrics.update(sampler_metrics(stats, seconds), num_examples=int(len(prompts)))
   metrics.update(latency_metrics(timing, min(batch_size, len(prompts))))
