@@ -25,7 +25,10 @@ def get_config():
 
   c.stage = "sdrl"
   c.sdrl = ml_collections.ConfigDict({
-      "mode": "both",  # "both" | "distill" (all advantages 1) | "rl" (corruptions, not states)
+      # "both" | "distill" (all advantages 1) | "rl" (corruptions, not states). With the
+      # verified target and certainty below, distillation won the 15-minute rounds against more
+      # SFT (docs/sudoku.md, "SD·RL on Sudoku").
+      "mode": "distill",
       "group_size": 4,  # G samples per prompt
       "prompts_per_rollout": 8,  # more prompts per update: it must generalise, not memorise
       "updates_per_rollout": 1,  # optimizer steps per rollout batch
@@ -44,10 +47,10 @@ def get_config():
       "cell_weighting": "none",
       # "final": each state toward its trajectory's final canvas; "verified": toward a right
       # canvas (its own when the verifier says correct, else the task's reference reply).
-      "target": "final",
+      "target": "verified",
+      "certainty_weight": 1.0,  # entropy of right predictions on the states (dParallel)
       # "none" | "kl" (to the initial parameters, on the trained states) | "sft" (the SFT loss on
       # c.data's puzzles): the anchor keeps the few points of accuracy fine-tuning starts lose.
-      "certainty_weight": 0.0,  # entropy of right predictions on the states (dParallel)
       "anchor": "sft",
       "anchor_weight": 1.0,
       "anchor_batch_size": 16,

@@ -681,6 +681,9 @@ from tests.helpers import restore_run, save_sft_run, tiny_configs
 
 root = sys.argv[1]
 sft, config = tiny_configs()
+# One rollout and its two updates: a later rollout samples from parameters that differ in float
+# rounding, and one draw at a near-tie then gives the two runs different trajectories to train on.
+config.num_train_steps = 2
 save_sft_run(sft, root + "/sft")
 finals = []
 for fsdp in (1, 2):
