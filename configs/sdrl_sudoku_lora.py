@@ -5,7 +5,8 @@
 
 Model, numerics, LoRA and sharding are configs/sft_sudoku_lora.py's (rank-16 adapters on every
 linear over a frozen bfloat16 base split over both devices); the SD·RL section is
-configs/sdrl_sudoku.py's (mode "both", SFT anchor), its sizes chosen so that both programs fit
+configs/sdrl_sudoku.py's (verified target, distillation, certainty forcing, SFT
+anchor), its sizes chosen so that both programs fit
 in 80 GB (the plans: benchmarks/RESULTS.md, "Recipe notes"). Rollouts stop at 16 denoising
 steps (as sdrl_sudoku), bounding a rollout at 16 decoder passes.
 """

@@ -76,46 +76,46 @@ def test_batches_cut_only_left_padding_and_replies_come_back_in_order():
   np.testing.assert_array_equal(tokens[:, 1], full)
 
 
-@pytest.mark.parametrize("mode", ["ar", "diffusion"])
-def test_a_cut_batch_replies_as_the_padded_one_on_a_tiny_model(mode):
-  """The sampler on a tiny model: one batch of ragged prompts cut to its width replies with the
-  same tokens as at the full width, with the same key (positions are slot indices and the
-  attention sees only relative ones); the encoder's hidden states agree to 1e-5. With
-  buckets, evaluate() and the unbucketed one give the same greedy (AR) replies."""
+def test_a_cut_batch_replies_as_the_padded_one_on_a_tiny_model():
+  """The sampler on a tiny model: a batch of ragged prompts cut to its width replies (diffusion,
+  the same key) with the same tokens as at the full width (positions are slot indices and the
+  attention sees only relative ones); the encoder's hidden states agree to 1e-5; and
+  evaluate() with buckets gives the same greedy (AR) replies as without."""
   cfg = config.tiny(num_layers=3, layer_types=("sliding_attention", "sliding_attention",
                                                "full_attention"))
   params = transformer.init_params(cfg, jax.random.key(0, impl="rbg"))
-  scfg = sampler.SamplerConfig(mode=mode, max_denoising_steps=4,
-                               max_new_tokens=2 * cfg.canvas_length)
   full = 48
   prompts = ragged_prompts(6, full, seed=1, vocab=cfg.vocab_size)
   prompts = prompts.take(np.argsort(-prompts.needed_widths(), kind="stable"))
   batch = prompts.take(slice(3, 6))  # the three shortest
   width = prompt_width(int(batch.needed_widths().max()), full)
   assert width < full
+  scfg = sampler.SamplerConfig(max_denoising_steps=4, max_new_tokens=2 * cfg.canvas_length)
   fn = sampler.make_generate_fn(cfg, scfg)
   key = jax.random.PRNGKey(3)
   padded = fn(params, batch.prompt_NxP, batch.valid_NxP, key)
-  cut = fn(params, batch.prompt_NxP[:, full - width:], batch.valid_NxP[:, full - width:], key)
+  cut_batch = batch.cut_to(width)
+  cut = fn(params, cut_batch.prompt_NxP, cut_batch.valid_NxP, key)
   np.testing.assert_array_equal(np.asarray(cut.tokens), np.asarray(padded.tokens))
   np.testing.assert_array_equal(np.asarray(cut.num_tokens), np.asarray(padded.num_tokens))
+  with pytest.raises(ValueError, match="cannot cut prompts to 16 slots"):
+    prompts.cut_to(16)
 
   def hidden(tokens, valid):
     cache = transformer.init_cache(cfg, len(tokens), tokens.shape[1])
     h, _ = transformer.encode(params, cfg, tokens, cache, valid)
     return np.asarray(h)
 
+  valid = cut_batch.valid_NxP
   h_full = hidden(batch.prompt_NxP, batch.valid_NxP)[:, full - width:]
-  h_cut = hidden(batch.prompt_NxP[:, full - width:], batch.valid_NxP[:, full - width:])
-  valid = batch.valid_NxP[:, full - width:]
+  h_cut = hidden(cut_batch.prompt_NxP, valid)
   np.testing.assert_allclose(h_cut[valid], h_full[valid], atol=1e-5, rtol=1e-5)
 
-  if mode == "ar":
-    class Task:
-      def score(self, prompts, tokens, stats):
-        return {"accuracy": 0.0}, [{"tokens": t.tolist()} for t in tokens]
+  class Task:
+    def score(self, prompts, tokens, stats):
+      return {"accuracy": 0.0}, [{"tokens": t.tolist()} for t in tokens]
 
-    _, bucketed = evaluation.evaluate(Task(), params, cfg, scfg, prompts, 2)
-    _, padded_all = evaluation.evaluate(Task(), params, cfg, scfg, prompts, 2,
-                                        length_buckets=False)
-    assert bucketed == padded_all
+  ar = dataclasses.replace(scfg, mode="ar")
+  _, bucketed = evaluation.evaluate(Task(), params, cfg, ar, prompts, 3)
+  _, padded_all = evaluation.evaluate(Task(), params, cfg, ar, prompts, 3, length_buckets=False)
+  assert bucketed == padded_all
