@@ -80,8 +80,10 @@ def test_generate_until_is_eval_py_token_for_token(workdir, data, mode):
   for ours, theirs in zip(calls, eval_calls):
     np.testing.assert_array_equal(ours, theirs)
   assert replies == [p["reply"] for p in predictions]
-  # max_gen_toks caps the reply's tokens; `until` cuts before its first match.
-  text = replies[0]
+  # max_gen_toks caps the reply's tokens; `until` cuts before its first match. (The first call's
+  # first row is the longest prompt's: batches go longest first, evaluation.generate_in_batches.)
+  text = lm.reply(calls[0][0], {})
+  assert text in replies
   assert lm.reply_ids(calls[0][0]) == lm.task.reply_ids(calls[0][0])
   assert lm.reply(calls[0][0], {"max_gen_toks": 3}) == lm.tok.decode(
       lm.task.reply_ids(calls[0][0])[:3])
