@@ -311,7 +311,6 @@ def sample_run():
   from diffgemma.runs import provenance
   from diffgemma.training import evaluation, loaded
   from diffgemma.sampling import sampler
-  from diffgemma.tasks.base import prompt_width
 
   run = loaded.open_run(_WORKDIR.value, **{**_sampler_overrides(), "record_trajectory": True})
   if run.untrained_ar_head():
@@ -322,10 +321,9 @@ def sample_run():
   # Checked before the weights load.
   prompts = (run.task.prompt_from_text(text, images=_IMAGE.value) if _IMAGE.value
              else run.task.prompt_from_text(text))
-  # The run's prompt slots less the left padding this prompt leaves unused (tasks/base.py,
-  # prompt_widths: one of four compiled widths, as eval.py's batches).
-  prompts = prompts.cut_to(prompt_width(int(prompts.needed_widths()[0]),
-                                        prompts.prompt_NxP.shape[1]))
+  # The run's prompt slots less the left padding this prompt leaves unused (as eval.py's
+  # batches: one of four compiled widths).
+  prompts = prompts.bucketed()
   if _TRACE.value:
     from diffgemma.sampling import traces
 

@@ -162,6 +162,12 @@ class Prompts:
     return dataclasses.replace(self, prompt_NxP=self.prompt_NxP[:, p - width:],
                                valid_NxP=self.valid_NxP[:, p - width:])
 
+  def bucketed(self) -> Prompts:
+    """These prompts cut to the smallest of `prompt_widths(P)` that holds their longest one
+    (one of PROMPT_WIDTH_LEVELS compiled widths; only left padding is cut)."""
+    p = self.prompt_NxP.shape[1]
+    return self.cut_to(prompt_width(int(self.needed_widths().max(initial=0)), p))
+
   def needed_widths(self) -> np.ndarray:
     """[N] int: the prompt slots each row needs, from its first valid slot to the end (the
     left padding before it can be cut; 0 for a row with no valid slot)."""

@@ -17,7 +17,7 @@ import numpy as np
 from diffgemma.model import vision
 from diffgemma.model.config import ModelConfig
 from diffgemma.sampling import sampler
-from diffgemma.tasks.base import Prompts, Task, prompt_width
+from diffgemma.tasks.base import Prompts, Task
 
 # The sampler's per-row statistics (`sampler.GenerateOutput` fields, [B] each) that the
 # evaluation keeps and means (`row_stats`).
@@ -89,7 +89,7 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
 
   Per-batch lengths (`length_buckets`): rows go longest prompt first (ties in their order) and
   each batch's prompts are cut to the smallest of `base.prompt_widths` that holds its longest
-  one, dropping left padding only; so at most PROMPT_WIDTH_LEVELS prompt shapes compile. The
+  one (`Prompts.bucketed`), dropping left padding only; so at most PROMPT_WIDTH_LEVELS prompt shapes compile. The
   sampler's positions are slot indices and attention sees only relative ones, so a cut row's
   reply is the uncut row's up to float rounding; its random draws are those of the batch it
   lands in (batch b draws with fold_in(key, b * batch_size)). A task whose prompts fill P
@@ -108,36 +108,36 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
   n = len(prompts)
   batch_size = min(batch_size, n)
   rng = jax.random.PRNGKey(seed)
-  full = prompts.prompt_NxP.shape[1]
-  needed_N = prompts.needed_widths()
-  order = np.argsort(-needed_N, kind="stable") if length_buckets else np.arange(n)
-  batches = []  # (first index in order, rows, prompt width)
-  for start in range(0, n, batch_size):
-    rows = order[start:start + batch_size]
-    width = prompt_width(int(needed_N[rows].max()), full) if length_buckets else full
-    batches.append((start, rows, width))
+  order = (np.argsort(-prompts.needed_widths(), kind="stable") if length_buckets
+           else np.arange(n))
+  starts = range(0, n, batch_size)
 
-  def call(rows, width, key):
+  def batch_at(start):  # the prompts of order[start:start + batch_size], padded by repetition
+    rows = order[start:start + batch_size]
     batch = prompts.take(np.concatenate([rows, np.full(batch_size - len(rows), rows[-1])]))
-    batch = batch.cut_to(width)
+    return rows, batch.bucketed() if length_buckets else batch
+
+  def call(batch, key):
     fixed = () if batch.fixed_NxL is None else (batch.fixed_NxL, batch.fixed_mask_NxL)
     images = {} if batch.pixel_values_NxIxMxD is None else {"images": prompt_images(batch)}
     return generate_fn(params, batch.prompt_NxP, batch.valid_NxP, key, *fixed, **images)
 
   cold, warm = [], []  # seconds of the compiling calls; (seconds, tokens, canvases) of the rest
-  compiled = set()
+  compiled = set()  # the prompt widths called so far
   if warmup:
-    for _, rows, width in batches:
-      if width not in compiled:
+    for start in starts:
+      _, batch = batch_at(start)
+      if batch.prompt_NxP.shape[1] not in compiled:
         t0 = time.perf_counter()
-        jax.block_until_ready(call(rows, width, rng))
+        jax.block_until_ready(call(batch, rng))
         cold.append(time.perf_counter() - t0)
-        compiled.add(width)
+        compiled.add(batch.prompt_NxP.shape[1])
   tokens, stats, seconds = [None] * n, {}, 0.0
-  for start, rows, width in batches:
-    real = len(rows)
+  for start in starts:
+    rows, batch = batch_at(start)
+    real, width = len(rows), batch.prompt_NxP.shape[1]
     t0 = time.perf_counter()
-    out = call(rows, width, jax.random.fold_in(rng, start))
+    out = call(batch, jax.random.fold_in(rng, start))
     out = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(out))
     call_s = time.perf_counter() - t0
     seconds += call_s
@@ -155,7 +155,9 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
       if on_trajectory is not None:
         on_trajectory(rows, jax.tree_util.tree_map(lambda x: x[:, :, :real], out.trajectory))
     for key, value in row.items():
-      stats.setdefault(key, np.zeros(n, np.asarray(value).dtype))[rows] = value[:real]
+      if key not in stats:
+        stats[key] = np.zeros(n, np.asarray(value).dtype)
+      stats[key][rows] = value[:real]
     if progress is not None:
       progress.update(real)
   if timing is not None:
