@@ -681,19 +681,26 @@ from tests.helpers import restore_run, save_sft_run, tiny_configs
 
 root = sys.argv[1]
 sft, config = tiny_configs()
-# One rollout and its two updates: a later rollout samples from parameters that differ in float
-# rounding, and one draw at a near-tie then gives the two runs different trajectories to train on.
-config.num_train_steps = 2
 save_sft_run(sft, root + "/sft")
-finals = []
-for fsdp in (1, 2):
-  run = config.copy_and_resolve_references()
-  run.sharding.fsdp = fsdp
-  loop.train(run, f"{root}/fsdp{fsdp}", init_from=root + "/sft")
-  _, setup, state, _, _ = restore_run(f"{root}/fsdp{fsdp}")
-  assert setup.mesh.size == fsdp
-  finals.append(jax.device_get(state["params"]))
-jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), *finals)
+# The earlier objective over two rollouts (4 updates, a checkpoint between them), and the
+# recipe's (verified targets, certainty forcing) over one: with it, the second rollout samples
+# from parameters that differ in float rounding, and one draw at a near-tie then gives the two
+# runs different trajectories to train on.
+earlier = config.copy_and_resolve_references()
+earlier.sdrl.update({"mode": "both", "target": "final", "certainty_weight": 0.0})
+recipe = config.copy_and_resolve_references()
+recipe.num_train_steps = 2
+for name, objective in (("earlier", earlier), ("recipe", recipe)):
+  finals = []
+  for fsdp in (1, 2):
+    run = objective.copy_and_resolve_references()
+    run.sharding.fsdp = fsdp
+    loop.train(run, f"{root}/{name}{fsdp}", init_from=root + "/sft")
+    _, setup, state, _, _ = restore_run(f"{root}/{name}{fsdp}")
+    assert setup.mesh.size == fsdp
+    finals.append(jax.device_get(state["params"]))
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
+                         *finals)
 print("ok")
 """
 
