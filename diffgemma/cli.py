@@ -294,15 +294,23 @@ def override_config(config, assignments: list[str]):
 
   argv = ["override_config", *(f"--config.{a.strip()}" for a in assignments if a.strip())]
   values = flags.FlagValues()
-  holder = config_flags.DEFINE_config_dict("config", config.copy_and_resolve_references(),
-                                           flag_values=values)
+  # ml_collections registers the --config.KEY flags it finds in sys_argv when the flag is
+  # defined (without them every override is an unknown flag), so an unknown key fails here.
+  try:
+    holder = config_flags.DEFINE_config_dict("config", config.copy_and_resolve_references(),
+                                             flag_values=values, sys_argv=argv)
+  except _PARSE_ERRORS as e:
+    raise UserError(_flag_error_message(e, argv)) from None
   return _parsed_config(holder, values, argv)
+
+
+_PARSE_ERRORS = (flags.Error, KeyError, AttributeError, ValueError, TypeError)
 
 
 def _parsed_config(holder, values: flags.FlagValues, argv: list[str]):
   try:
     values(argv)
-  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+  except _PARSE_ERRORS as e:
     raise UserError(_flag_error_message(e, argv)) from None
   return holder.value
 

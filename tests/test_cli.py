@@ -81,6 +81,24 @@ def test_out_of_range_integers_are_named():
   run_config.check_integer_range(config.to_dict())  # the limit itself is allowed
 
 
+def test_override_config_applies_keys_as_train_py_does():
+  """The benchmarks' --config_overrides (cli.override_config) set a loaded config's keys, typed
+  by the config, and name an unknown key or a bad value in one line."""
+  from diffgemma import cli
+  from diffgemma.errors import UserError
+
+  base = cli.parse_config("configs/sft_chat.py:count", [])
+  config = cli.override_config(base, ["data.train=/x/count.jsonl", "batch_size=3",
+                                      "optimizer.lr=0.5"])
+  assert (config.data.train, config.batch_size, config.optimizer.lr) == ("/x/count.jsonl", 3, 0.5)
+  assert base.batch_size != 3  # the loaded config is not changed
+  for assignment, message in (("nope=1", "unknown config key 'nope'"),
+                              ("data.nope=1", "unknown config key 'data.nope'"),
+                              ("data.seed=x", "--config.data.seed=x")):
+    with pytest.raises(UserError, match=re.escape(message)):
+      cli.override_config(base, [assignment])
+
+
 def test_host_memory_exhausted_is_one_line():
   """numpy's MemoryError (a batch or layout too big for the host) ends in one line."""
   program = ("from diffgemma import cli\n"
