@@ -43,8 +43,29 @@ def make_step(config, frozen=None, task=None):
 
 def build_step(config, steps: int):
   """(jitted update step, initial state, `steps` batches) of an SFT config."""
+  step_fn, state, batches, _ = build_counted_step(config, steps, 0)
+  return step_fn, state, batches
+
+
+def build_counted_step(config, steps: int, count_batches: int):
+  """build_step's three, then the mean examples per batch over the first
+  max(steps, count_batches) batches of the input pipeline (a packed row holds several; 0.0 when
+  nothing is counted), so that a step's time reads per example."""
+  import numpy as np
+
   stage, step_fn, state, _ = make_step(config)
   with tempfile.TemporaryDirectory(prefix="sft_step_run_") as workdir:
     stage.start(state, None, 0, workdir)
-    batches = [stage.next_batch(i, state, None)[0] for i in range(steps)]
-  return step_fn, state, batches
+    drawn = [stage.next_batch(i, state, None)[0] for i in range(max(steps, count_batches))]
+  examples = [_examples_in(stage, i, batch) for i, batch in enumerate(drawn[:count_batches])]
+  return step_fn, state, drawn[:steps], float(np.mean(examples)) if examples else 0.0
+
+
+def _examples_in(stage, step: int, batch) -> int:
+  """The examples one batch trains on: the stage's own count (the training loop's
+  examples_seen), or in trees from before that count, the rows that hold a valid token."""
+  import numpy as np
+
+  if hasattr(stage, "batch_counts"):
+    return int(stage.batch_counts(step, batch)[0])
+  return int(np.sum(np.any(np.asarray(batch["valid"]), axis=1)))

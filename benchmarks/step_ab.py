@@ -3,7 +3,13 @@
   python benchmarks/step_ab.py --variant=main:origin/main --variant=this:. \
       [--variant="xnn:.:XLA_FLAGS='--xla_cpu_use_xnnpack=true'"] [--config=sft_sudoku] \
       [--program=sft_step|decoder_step|generate] [--batch=8] \
-      [--rounds=8] [--steps_per_round=5] [--config_overrides=KEY=VALUE,...]
+      [--rounds=8] [--steps_per_round=5] [--config_overrides=KEY=VALUE,...] \
+      [--variant_overrides=LABEL:KEY=VALUE,...]
+
+  # Packed rows against one example per row, same tree, per example:
+  python benchmarks/step_ab.py --config=sft_chat:count --config_overrides=data.train=count.jsonl \
+      --variant=unpacked:. --variant=packed:. \
+      --variant_overrides=unpacked:data.max_row_tokens=0,data.max_row_examples=0,batch_size=16
 
 `--program`: the config's SFT update step (default); the sampler's decoder step (one bidirectional
 pass over a canvas of `--batch` rows against a cache holding their encoded prompts); or `generate`
@@ -20,7 +26,8 @@ device count). Every process builds the config's SFT update step from its own tr
 and runs one step; then the parent runs the processes' timed rounds one after another,
 round-robin, so that a machine whose speed drifts affects every variant alike, and only one
 process computes at a time. Prints the median ms per step of each variant and its speedup over
-the first. Absolute numbers depend on the machine; the ratios are what to compare.
+the first; for the SFT step also the examples a step trains on (the mean over `--count_batches`
+input batches: packed rows hold several) and the time per example against the first variant's. Absolute numbers depend on the machine; the ratios are what to compare.
 """
 
 import json
@@ -35,17 +42,25 @@ import time
 import numpy as np
 from absl import flags
 
-from diffgemma import cli
+from diffgemma import cli, errors
 
 _VARIANTS = flags.DEFINE_multi_string("variant", None, "LABEL:SOURCE[:ENV] (see the docstring).")
 _CONFIG = flags.DEFINE_string("config", "sft_sudoku", "Config name (configs/NAME.py[:VARIANT]).")
 _OVERRIDES = flags.DEFINE_string("config_overrides", "", "KEY=VALUE,... applied in every variant.")
+_VARIANT_OVERRIDES = flags.DEFINE_multi_string(
+    "variant_overrides", [], "LABEL:KEY=VALUE,... applied in that variant only, after "
+    "--config_overrides.")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Round-robin rounds (the median is kept).")
 _STEPS = flags.DEFINE_integer("steps_per_round", 5, "Steps per timed round.")
 _PROGRAM = flags.DEFINE_enum("program", "sft_step", ["sft_step", "decoder_step", "generate"],
                              "What to time (see the docstring).")
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows of the sampler programs.")
+_COUNT_BATCHES = flags.DEFINE_integer(
+    "count_batches", 64, "sft_step: input batches over which each variant counts its mean "
+    "examples per step (packed rows hold several), to print the time per example.")
 _CHILD = flags.DEFINE_string("child", None, "Internal: the source tree this process times.")
+_CHILD_OVERRIDES = flags.DEFINE_string("child_overrides", "", "Internal: this variant's own "
+                                       "KEY=VALUE,... (from --variant_overrides).")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,14 +98,18 @@ def child(tree: str):
   from diffgemma import cli  # the tree's own: the parent puts it on PYTHONPATH
 
   config = _load_config(tree, _CONFIG.value)
-  if _OVERRIDES.value:
-    config = cli.override_config(config, _OVERRIDES.value.split(","))
-  run_once = _sampler_program(config) if _PROGRAM.value != "sft_step" else _sft_program(config)
+  overrides = ",".join(o for o in (_OVERRIDES.value, _CHILD_OVERRIDES.value) if o)
+  if overrides:
+    config = cli.override_config(config, overrides.split(","))
+  if _PROGRAM.value == "sft_step":
+    run_once, examples = _sft_program(config)
+  else:
+    run_once, examples = _sampler_program(config), 0.0
   start = time.perf_counter()
   run_once()
   first = time.perf_counter() - start
   print(json.dumps({"ready": True, "devices": jax.device_count(), "jax": jax.__version__,
-                    "first_seconds": first}), flush=True)
+                    "first_seconds": first, "examples_per_step": examples}), flush=True)
   for line in sys.stdin:
     if line.strip() != "go":
       break
@@ -101,10 +120,12 @@ def child(tree: str):
 
 
 def _sft_program(config):
-  """One update step per call, on the next of `steps_per_round` + 1 prepared batches (cycled)."""
+  """(one update step per call, on the next of `steps_per_round` + 1 prepared batches (cycled);
+  the mean examples per batch over `count_batches` batches)."""
   import jax
 
-  step_fn, state, batches = _sft_step_module().build_step(config, _STEPS.value + 1)
+  step_fn, state, batches, examples = _sft_step_module().build_counted_step(
+      config, _STEPS.value + 1, _COUNT_BATCHES.value)
   holder = {"state": state, "i": 0}
 
   def run_once():
@@ -113,7 +134,7 @@ def _sft_program(config):
     holder["state"], metrics = step_fn(holder["state"], None, batch)
     jax.block_until_ready(metrics)
 
-  return run_once
+  return run_once, examples
 
 
 def _sampler_program(config):
@@ -167,13 +188,21 @@ def _source_tree(source: str, scratch: str) -> tuple[str, str]:
 
 
 def parent():
+  own_overrides = {}
+  for text in _VARIANT_OVERRIDES.value:
+    label, _, assignments = text.partition(":")
+    own_overrides[label] = assignments
   variants = []
   for text in _VARIANTS.value or ["this:."]:
     label, _, rest = text.partition(":")
     source, _, env = rest.partition(":")
     variants.append((label, source or ".", env))
+  unknown = set(own_overrides) - {label for label, _, _ in variants}
+  if unknown:
+    raise errors.UserError(f"--variant_overrides names {sorted(unknown)}, which no --variant "
+                           "has as its label")
   scratch = tempfile.mkdtemp(prefix="step_ab_")
-  trees, processes, kept, firsts = [], [], [], []
+  trees, processes, kept, firsts, examples = [], [], [], [], []
   try:
     for label, source, env in variants:
       directory, commit = _source_tree(source, scratch)
@@ -184,7 +213,8 @@ def parent():
           [sys.executable, os.path.abspath(__file__), f"--child={directory}",
            f"--config={_CONFIG.value}", f"--config_overrides={_OVERRIDES.value}",
            f"--steps_per_round={_STEPS.value}", f"--program={_PROGRAM.value}",
-           f"--batch={_BATCH.value}"],
+           f"--batch={_BATCH.value}", f"--count_batches={_COUNT_BATCHES.value}",
+           f"--child_overrides={own_overrides.get(label, '')}"],
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=directory,
           env={**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
               p for p in (directory, os.environ.get("PYTHONPATH")) if p)})
@@ -194,9 +224,11 @@ def parent():
               f"{process.wait()}), left out", flush=True)
         continue
       info = json.loads(line)
-      print(f"{label}: {source} at {commit}, env {env or '-'}, {info['devices']} device(s), "
+      print(f"{label}: {source} at {commit}, env {env or '-'}, overrides "
+            f"{own_overrides.get(label) or '-'}, {info['devices']} device(s), "
             f"jax {info['jax']}", flush=True)
       firsts.append(info["first_seconds"])
+      examples.append(info.get("examples_per_step", 0.0))
       processes.append(process)
       kept.append((label, source, env))
     times = [[] for _ in processes]
@@ -218,10 +250,16 @@ def parent():
   print(f"{os.path.basename(_CONFIG.value)} {what} {_OVERRIDES.value}: {_ROUNDS.value} "
         f"interleaved rounds of {_STEPS.value} calls, median ms per call, speedup over "
         f"{variants[0][0]}, compile (first call less the median); {os.cpu_count()} CPUs")
-  for (label, _, _), seconds, record, first in zip(variants, medians, times, firsts):
+  per_example = all(examples)
+  for (label, _, _), seconds, record, first, count in zip(variants, medians, times, firsts,
+                                                          examples):
     spread = (min(record) * 1e3, max(record) * 1e3)
-    print(f"  {seconds * 1e3:8.1f} ms ({spread[0]:.0f}-{spread[1]:.0f})  "
-          f"{medians[0] / seconds:5.2f}x  compile {first - seconds:6.1f} s  {label}")
+    line = (f"  {seconds * 1e3:8.1f} ms ({spread[0]:.0f}-{spread[1]:.0f})  "
+            f"{medians[0] / seconds:5.2f}x  compile {first - seconds:6.1f} s")
+    if per_example:  # the cost that matters when variants fit different examples in a step
+      line += (f"  {count:5.2f} examples/step  {seconds * 1e3 / count:7.2f} ms/example "
+               f"{seconds / count / (medians[0] / examples[0]):5.2f}x of {variants[0][0]}'s")
+    print(f"{line}  {label}")
 
 
 def main(argv):
