@@ -10,8 +10,9 @@ infill_count task (replies fit one canvas). To fine-tune a checkpoint on chat da
 pass --init_from=DIR: its tokenizer and chat template are used when data.tokenizer is empty
 (see configs/sft_pubmedqa_lora.py).
 
-Training packs whole examples into rows of data.max_row_tokens slots (`PACKING`; batch_size
-counts rows); --config.data.max_row_tokens=0 lays out one example per row instead.
+The count variant packs whole examples into rows of data.max_row_tokens slots (`PACKING`;
+batch_size counts rows); --config.data.max_row_tokens=0 lays out one example per row instead,
+as sort and infill_count do by default.
 
 The chat task's keys (data.*, eval.*, rl.reward / rl.reward_fn) are documented at
 `ChatSettings` in diffgemma/tasks/chat.py, which reads them.
@@ -37,15 +38,17 @@ VARIANT_MIN_STEPS = {"sort": 1000}
 LAYOUTS = {"count": dict(prompt_len=48, num_canvases=6),
            "sort": dict(prompt_len=96, num_canvases=2),
            "infill_count": dict(prompt_len=40, num_canvases=1)}
-# Training packs whole examples into rows (diffgemma/tasks/packing.py). On 2000 examples of each
-# task a mean example takes 151 (count), 128 (sort) and 64 (infill_count) of the 240 / 160 / 72
-# layout slots, and these rows hold 2.8, 3.4 and 3.0 examples (88%, 92%, 89% of their slots).
-# batch_size counts rows then: ROWS rows see about as many examples per step as the unpacked
-# batch of 16 did, so a step teaches as much as before and costs less per example.
-PACKING = {"count": dict(max_row_tokens=480, max_row_examples=3),
-           "sort": dict(max_row_tokens=480, max_row_examples=4),
-           "infill_count": dict(max_row_tokens=216, max_row_examples=3)}
-ROWS = {"count": 6, "sort": 4, "infill_count": 6}
+# Training packs whole examples into rows (diffgemma/tasks/packing.py) where that is cheaper per
+# example: count (a mean example takes 151 of its 240 layout slots) at 0.88x the unpacked step's
+# cost per example. Sort (128 of 160) and infill_count (64 of 72) cost 1.16-1.25x and 1.05-1.13x
+# packed, as a packed row's attention grows with the square of its length and its decoder runs
+# max_row_examples canvases however many examples fit (RESULTS.md, "Packed rows, per example"),
+# so they lay out one example per row. batch_size counts rows: ROWS packed rows see about as many
+# examples per step as the unpacked batch of 16 does.
+PACKING = {"count": dict(max_row_tokens=320, max_row_examples=2),
+           "sort": dict(max_row_tokens=0, max_row_examples=0),
+           "infill_count": dict(max_row_tokens=0, max_row_examples=0)}
+ROWS = {"count": 10, "sort": 16, "infill_count": 16}
 
 
 def get_config(variant: str = "count"):
