@@ -6,6 +6,7 @@ batch's, loss and gradients."""
 
 import collections
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -306,3 +307,28 @@ def test_the_model_builds_per_example_masks_on_every_layer_type(monkeypatch):
                                     brute_force_encoder_mask(segment, position, window))
       np.testing.assert_array_equal(decoder[layer_type][b], brute_force_decoder_mask(
           segment, position, prefix_BxE[b], window))
+
+
+@pytest.mark.parametrize("max_row_tokens", [0, 48])
+def test_step_benchmark_counts_the_examples_a_step_trains_on(tmp_path, max_row_tokens):
+  """benchmarks/sft_step.py's examples per step (step_ab.py's ms per example), against a brute
+  count over the same batches: the distinct segments of each packed row, or the rows that hold
+  a valid token."""
+  from diffgemma import cli
+  from tests.helpers import tiny_chat_config
+
+  sft_step = cli.load_module(os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "benchmarks", "sft_step.py"))
+  records = [chat("q" * (1 + i % 7), "a" * (1 + (5 * i) % 11)) for i in range(40)]
+  config = tiny_chat_config(write_jsonl(tmp_path / "d.jsonl", records), canvas_length=4,
+                            num_canvases=3, max_row_tokens=max_row_tokens,
+                            max_row_examples=3 if max_row_tokens else 0)
+  config.batch_size = 4
+  _, _, batches, mean_examples = sft_step.build_counted_step(config, 3, 3)
+  if max_row_tokens:
+    counts = [sum(len(set(row[row > 0].tolist())) for row in np.asarray(b["segment_ids"]))
+              for b in batches]
+    assert max(counts) > 4  # some rows hold several examples
+  else:
+    counts = [int(np.sum(np.any(np.asarray(b["valid"]), axis=1))) for b in batches]
+  assert mean_examples == pytest.approx(np.mean(counts), rel=1e-12)
