@@ -27,7 +27,8 @@ and runs one step; then the parent runs the processes' timed rounds one after an
 round-robin, so that a machine whose speed drifts affects every variant alike, and only one
 process computes at a time. Prints the median ms per step of each variant and its speedup over
 the first; for the SFT step also the examples a step trains on (the mean over `--count_batches`
-input batches: packed rows hold several) and the time per example against the first variant's. Absolute numbers depend on the machine; the ratios are what to compare.
+input batches: packed rows hold several) and the time per example against the first variant's.
+Absolute numbers depend on the machine; the ratios are what to compare.
 """
 
 import json
@@ -228,7 +229,7 @@ def parent():
             f"{own_overrides.get(label) or '-'}, {info['devices']} device(s), "
             f"jax {info['jax']}", flush=True)
       firsts.append(info["first_seconds"])
-      examples.append(info.get("examples_per_step", 0.0))
+      examples.append(info["examples_per_step"])
       processes.append(process)
       kept.append((label, source, env))
     times = [[] for _ in processes]

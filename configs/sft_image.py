@@ -47,8 +47,9 @@ def get_config():
       position_embedding_size=16, default_output_length=SOFT_TOKENS))
   c.freeze_vision = False
 
-  # At equal steps (600, 300 held out; RESULTS.md, "Images: the trials behind sft_image"): lr 1e-2 beat 3e-3 and 2e-2,
-  # batch 8 beat 16 (and is 1.45 times as many steps a minute), 4 text layers beat 2.
+  # At equal steps (600, 300 held out; RESULTS.md, "Images: the trials behind sft_image"):
+  # lr 1e-2 beat 3e-3 and 2e-2, batch 8 beat 16 (and is 1.45 times as many steps a minute), 4
+  # text layers beat 2.
   c.batch_size = 8
   c.optimizer.update(dict(lr=1e-2, warmup_steps=20))
 

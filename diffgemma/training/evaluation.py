@@ -89,11 +89,11 @@ def generate_in_batches(params, generate_fn, prompts: Prompts, batch_size: int, 
 
   Per-batch lengths (`length_buckets`): rows go longest prompt first (ties in their order) and
   each batch's prompts are cut to the smallest of `base.prompt_widths` that holds its longest
-  one (`Prompts.bucketed`), dropping left padding only; so at most PROMPT_WIDTH_LEVELS prompt shapes compile. The
-  sampler's positions are slot indices and attention sees only relative ones, so a cut row's
-  reply is the uncut row's up to float rounding; its random draws are those of the batch it
-  lands in (batch b draws with fold_in(key, b * batch_size)). A task whose prompts fill P
-  (Sudoku) keeps its order and batches exactly.
+  one (`Prompts.bucketed`), dropping left padding only; so at most PROMPT_WIDTH_LEVELS prompt
+  shapes compile. The sampler's positions are slot indices and attention sees only relative
+  ones, so a cut row's reply is the uncut row's up to float rounding; its random draws are those
+  of the batch it lands in (batch b draws with fold_in(key, b * batch_size)). A task whose
+  prompts fill P (Sudoku) keeps its order and batches exactly.
 
   Returns (tokens_NxL, per-row stats {key: [N]} (`row_stats`, plus settle_steps), sampler
   seconds), in the prompts' order. With `warmup`, one untimed call per prompt width compiles
